@@ -1,0 +1,141 @@
+"""Frozen, picklable engine configuration, one dataclass per concern (they travel to workers).
+
+Each class is constructible from keyword defaults alone so pure-logic code can be tested without a
+model on disk. `EngineArgs` (the flat, user-facing form) lives in `engine_args.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("mp", "uni", "ray")
+DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model runs and how. `model=None` means no model (worker-level RPC only).
+
+    `hf_config` is the checkpoint's transformers config (read from its config files, never its
+    weights); `max_model_len` is resolved against it by `EngineArgs.create_engine_config`.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int = 2048
+    seed: int = 0
+    enforce_eager: bool = False
+    hf_config: Any = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+            f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}",
+        )
+        _require(
+            self.cache_dtype in _DTYPES,
+            f"cache_dtype must be one of {_DTYPES}, got {self.cache_dtype!r}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    worker_cls: str = DEFAULT_WORKER_CLS
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(
+            self.distributed_executor_backend in _BACKENDS,
+            f"distributed_executor_backend must be one of {_BACKENDS}, "
+            f"got {self.distributed_executor_backend!r}",
+        )
+        _require(
+            self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
+            "distributed_executor_backend='uni' runs one in-process worker; use 'mp' for "
+            f"tensor_parallel_size={self.tensor_parallel_size}",
+        )
+        _require(
+            "." in self.worker_cls,
+            f"worker_cls must be a dotted 'module.Class' path, got {self.worker_cls!r}",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+
+    @property
+    def device_type(self) -> str:
+        """'cpu' or 'cuda'; 'auto' picks CUDA when torch sees a GPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)

@@ -1,0 +1,130 @@
+"""EngineArgs: the flat, user-facing configuration. Every field is a `serve` CLI flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from v1engine.config import (
+    DEFAULT_WORKER_CLS,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_CHOICES = {
+    "device": ["auto", "cpu", "cuda"],
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+    "distributed_executor_backend": ["mp", "uni", "ray"],
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    distributed_executor_backend: str = "mp"
+    worker_cls: str = DEFAULT_WORKER_CLS
+    seed: int = 0
+    enforce_eager: bool = False
+
+    def create_engine_config(self) -> EngineConfig:
+        """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
+        hf_config = None
+        max_model_len = self.max_model_len or 2048
+        if self.model is not None:
+            from v1engine.model.hf_config import load_hf_config, resolve_max_model_len
+
+            hf_config = load_hf_config(self.model)
+            max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        config = EngineConfig(
+            model_config=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+                enforce_eager=self.enforce_eager,
+                hf_config=hf_config,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                worker_cls=self.worker_cls,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+            ),
+            device_config=DeviceConfig(device=self.device),
+        )
+        if hf_config is not None:
+            from v1engine.model.hf_config import check_tensor_parallel_shape
+
+            check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
+        return config
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One `--flag-name` per field; booleans get `--flag/--no-flag`."""
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                continue
+            parser.add_argument(
+                flag, type=_field_type(f), default=default, choices=_CHOICES.get(f.name)
+            )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Builds EngineArgs, rejecting unknown keys with the list of valid ones."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    # Annotations are strings under `from __future__ import annotations`.
+    text = str(f.type)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
