@@ -1,0 +1,98 @@
+"""Suite-wide fixtures. The leak check is autouse: a test that leaves a child process, a /dev/shm
+segment or an ipc directory behind fails, and the leftovers are cleaned so later tests start clean.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Triton kernels run on CPU only under the interpreter, and it must be set before triton loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import glob  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import psutil  # noqa: E402
+import pytest  # noqa: E402
+
+_SHM_DIR = "/dev/shm"
+_GRACE_S = 5.0
+
+
+def _children() -> dict[int, str]:
+    found = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        # multiprocessing's resource tracker lives as long as the test session by design.
+        if "resource_tracker" in cmdline:
+            continue
+        found[proc.pid] = cmdline[:200]
+    return found
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir(_SHM_DIR)) if os.path.isdir(_SHM_DIR) else set()
+
+
+def _ipc_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "v1engine-*")))
+
+
+def _snapshot() -> tuple[dict[int, str], set[str], set[str]]:
+    return _children(), _shm_entries(), _ipc_dirs()
+
+
+def _leaks(before) -> list[str]:
+    procs0, shm0, ipc0 = before
+    procs1, shm1, ipc1 = _snapshot()
+    leaks = [f"process {pid}: {cmd}" for pid, cmd in procs1.items() if pid not in procs0]
+    leaks += [f"/dev/shm/{name}" for name in sorted(shm1 - shm0)]
+    leaks += [f"ipc dir {path}" for path in sorted(ipc1 - ipc0)]
+    return leaks
+
+
+def _clean_up(before) -> None:
+    procs0, shm0, ipc0 = before
+    for pid in set(_children()) - set(procs0):
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    for name in _shm_entries() - shm0:
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+        except OSError:
+            pass
+    for path in _ipc_dirs() - ipc0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fails the test that leaves processes, shared memory or ipc files behind."""
+    before = _snapshot()
+    yield
+    deadline = time.monotonic() + _GRACE_S
+    leaks = _leaks(before)
+    while leaks and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaks = _leaks(before)
+    if leaks:
+        _clean_up(before)
+        pytest.fail("test left resources behind:\n  " + "\n  ".join(leaks), pytrace=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
