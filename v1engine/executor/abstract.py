@@ -1,0 +1,167 @@
+"""Executor: how the engine core reaches its workers, whatever process layout is behind it."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from v1engine.config import EngineConfig
+
+
+def resolve_worker_cls(qualname: str) -> type:
+    """Imports `module.Class`, with an error that says what to fix."""
+    module_name, _, cls_name = qualname.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"worker_cls {qualname!r}: cannot import module {module_name!r} ({e}); "
+            "pass a dotted path importable from sys.path"
+        ) from e
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"worker_cls {qualname!r}: module {module_name!r} has no class {cls_name!r}")
+    return cls
+
+
+def check_rpc_method(worker_cls: type, method: str | Callable) -> str:
+    """Rejects a call the workers cannot run, before anything is broadcast.
+
+    Returns: the method's display name for errors and logs.
+    """
+    if callable(method):
+        qualname = getattr(method, "__qualname__", "")
+        if not getattr(method, "__module__", None) or "<" in qualname:
+            raise ValueError(
+                f"collective_rpc takes a module-level function (called as fn(worker, *args)); "
+                f"got {method!r}, which the worker processes cannot import"
+            )
+        return f"{method.__module__}.{qualname}"
+    if not isinstance(method, str):
+        raise TypeError(f"collective_rpc method must be a str or a function, got {type(method)}")
+    attr = getattr(worker_cls, method, None)
+    if method.startswith("_") or not callable(attr):
+        public = sorted(n for n in dir(worker_cls) if not n.startswith("_"))
+        raise ValueError(
+            f"unknown RPC method {method!r} for worker class {worker_cls.__qualname__}; "
+            f"public methods: {public}"
+        )
+    return method
+
+
+class Executor(ABC):
+    """Drives one worker per rank. Subclasses own the processes and the transport.
+
+    Args:
+        config: the engine configuration; `parallel_config.worker_cls` names the worker class.
+
+    Raises:
+        RuntimeError: a worker failed to start (the message carries its traceback).
+    """
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "mp":
+            from v1engine.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "uni":
+            from v1engine.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        if backend == "ray":
+            try:
+                from v1engine.executor.ray_executor import RayExecutor
+            except ImportError as e:
+                raise ValueError(
+                    "distributed_executor_backend='ray' needs Ray: pip install 'v1engine[ray]'"
+                ) from e
+            return RayExecutor
+        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None: ...
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        """Runs `method` on every worker, in the same order on all of them.
+
+        Args:
+            method: a public worker method name, or a module-level function run as
+                `fn(worker, *args, **kwargs)`.
+            timeout: seconds to wait for all replies; None waits forever.
+            unique_reply_rank: only this rank's result is returned (the others still report
+                errors).
+            non_block: return a Future at once instead of the result.
+
+        Returns:
+            A list of per-rank results, one result with `unique_reply_rank`, or a Future of
+            either with `non_block`.
+
+        Raises:
+            ValueError: unknown method (nothing is broadcast).
+            WorkerError: a worker raised; names every failing rank with its traceback.
+            TimeoutError: no reply within `timeout`; names the method and the silent ranks.
+            WorkerDiedError: a worker process exited.
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops every worker; idempotent."""
+
+    # -- the engine's view of its workers ---------------------------------------------------
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def determine_available_memory(self) -> list[int]:
+        return self.collective_rpc("determine_available_memory")
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        # Every worker receives the list and keeps its own entry, so one broadcast suffices.
+        self.collective_rpc(_initialize_from_configs, args=(kv_cache_configs,))
+        self.collective_rpc("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        return self.collective_rpc(
+            "execute_model", args=(scheduler_output,), unique_reply_rank=0, non_block=non_block
+        )
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _initialize_from_configs(worker: Any, kv_cache_configs: list[Any]) -> None:
+    worker.initialize_from_config(kv_cache_configs[worker.rank])
+
+
+def completed_future(result: Any = None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future

@@ -1,0 +1,53 @@
+"""Errors that cross the process boundary between the engine and its workers."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """One rank's exception, as text: the object itself may not be picklable."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised. The message names every failing rank with its traceback."""
+
+    def __init__(self, method: str, failures: list[RemoteFailure]) -> None:
+        self.method = method
+        self.failures = failures
+        ranks = ", ".join(f"rank {f.rank}" for f in failures)
+        parts = [f"collective_rpc({method!r}) failed on {ranks}:"]
+        for f in failures:
+            parts.append(f"--- rank {f.rank}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}")
+        super().__init__("\n".join(parts))
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited; every pending and later call raises this."""
+
+    def __init__(self, rank: int, exitcode: int | None, method: str | None = None) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        during = f" during collective_rpc({method!r})" if method else ""
+        super().__init__(
+            f"worker rank {rank} died ({describe_exitcode(exitcode)}){during}; "
+            "the executor cannot be used any more: shut it down and start a new engine"
+        )
+
+
+def describe_exitcode(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"exit code {exitcode}, killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"exit code {exitcode}"
+    return f"exit code {exitcode}"

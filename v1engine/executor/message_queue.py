@@ -1,0 +1,327 @@
+"""MessageQueue: one writer broadcasts Python objects to N readers in other processes.
+
+Messages travel through a shared-memory ring (shm_ring.py). A message whose serialized size
+exceeds `max_chunk_bytes` (10 MB by default) goes over a ZeroMQ XPUB socket instead, and the ring
+carries a marker in its place, so readers still see every message in the writer's order.
+
+A message is packed into a chunk as::
+
+    [u32 num_frames][u64 size] * num_frames [pad to 64] frame 0 [pad] frame 1 ...
+
+where frame 0 is the pickle stream and frames 1.. the raw buffers of arrays and tensors (see
+serialization.py). Readers copy buffers out of the ring before releasing the chunk, so nothing a
+reader returns aliases ring memory that a later message may overwrite.
+
+Waiting: a blocked reader (or a writer facing a full ring) first spins for `spin_s`, which keeps
+the latency of back-to-back messages low, then sleeps on a futex, so an idle queue uses no CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from v1engine.executor import futex
+from v1engine.executor.serialization import deserialize, serialize
+from v1engine.executor.shm_ring import ShmRingBuffer
+from v1engine.executor.shm_ring import unlink as unlink_ring
+
+DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
+DEFAULT_MAX_CHUNKS = 4
+DEFAULT_SPIN_S = 50e-6
+_OVERFLOW = 0xFFFFFFFF
+_HEADER_SLACK = 64 * 1024
+_ALIGN = 64
+_SLEEP_SLICE_S = 1.0
+_READY = "__v1engine_queue_ready__"
+
+
+class QueueClosedError(RuntimeError):
+    """The queue was closed (locally or by its writer) while an operation was waiting on it."""
+
+
+@dataclass(frozen=True)
+class Handle:
+    """Everything a reader process needs to attach to a queue. Picklable."""
+
+    n_reader: int
+    ring_path: str
+    max_chunk_bytes: int
+    max_chunks: int
+    zmq_address: str
+    ipc_dir: str
+
+
+def make_ipc_dir() -> str:
+    """A private (0700) directory for one engine's ipc socket files."""
+    return tempfile.mkdtemp(prefix="v1engine-")
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class MessageQueue:
+    """One writer, `n_reader` readers.
+
+    Args:
+        n_reader: number of reader processes; each must attach with a distinct rank.
+        max_chunk_bytes: messages larger than this go over ZeroMQ.
+        max_chunks: ring depth, i.e. how many messages the writer may run ahead of readers.
+        ipc_dir: directory for the ZeroMQ socket file; None creates a private one that
+            close() removes.
+        spin_s: how long a waiter spins before sleeping.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        ipc_dir: str | None = None,
+        spin_s: float = DEFAULT_SPIN_S,
+    ) -> None:
+        if n_reader < 1:
+            raise ValueError(f"MessageQueue needs at least one reader, got n_reader={n_reader}")
+        self._owns_ipc_dir = ipc_dir is None
+        self.ipc_dir = ipc_dir or make_ipc_dir()
+        self._ring = ShmRingBuffer(n_reader, max_chunk_bytes + _HEADER_SLACK, max_chunks)
+        name = os.path.basename(self._ring.path)
+        self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
+        self._socket = zmq.Context.instance().socket(zmq.XPUB)
+        self._configure_socket()
+        # Every reader's subscription must reach us, not just the first (see wait_until_ready).
+        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._socket.bind(f"ipc://{self._socket_path}")
+        self._handle = Handle(
+            n_reader=n_reader,
+            ring_path=self._ring.path,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            zmq_address=f"ipc://{self._socket_path}",
+            ipc_dir=self.ipc_dir,
+        )
+        self._init_common(is_writer=True, rank=-1, spin_s=spin_s)
+
+    @classmethod
+    def create_from_handle(
+        cls, handle: Handle, rank: int, spin_s: float = DEFAULT_SPIN_S
+    ) -> MessageQueue:
+        """Attaches reader `rank` (0 <= rank < n_reader) to the queue behind `handle`."""
+        if not 0 <= rank < handle.n_reader:
+            raise ValueError(f"reader rank must be in [0, {handle.n_reader}), got {rank}")
+        self = cls.__new__(cls)
+        self._handle = handle
+        self._owns_ipc_dir = False
+        self.ipc_dir = handle.ipc_dir
+        self._ring = ShmRingBuffer(
+            handle.n_reader,
+            handle.max_chunk_bytes + _HEADER_SLACK,
+            handle.max_chunks,
+            path=handle.ring_path,
+        )
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._configure_socket()
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(handle.zmq_address)
+        self._init_common(is_writer=False, rank=rank, spin_s=spin_s)
+        return self
+
+    def _configure_socket(self) -> None:
+        # Never drop: the ring already bounds how many overflow messages can be in flight.
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.setsockopt(zmq.LINGER, 0)
+
+    def _init_common(self, is_writer: bool, rank: int, spin_s: float) -> None:
+        self.is_writer = is_writer
+        self.rank = rank
+        self.spin_s = spin_s
+        self.max_chunk_bytes = self._handle.max_chunk_bytes
+        self._chunk = 0
+        self._closed = False
+        self._op_lock = threading.Lock()
+
+    def export_handle(self) -> Handle:
+        return self._handle
+
+    # -- writer ---------------------------------------------------------------------------
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Sends `obj` to every reader. Blocks while the ring is full.
+
+        Raises:
+            TimeoutError: the readers did not free a chunk within `timeout` seconds.
+            QueueClosedError: the queue was closed.
+        """
+        if not self.is_writer:
+            raise RuntimeError("enqueue() called on a reader; only the queue's creator writes")
+        frames = serialize(obj)
+        sizes = [memoryview(f).nbytes for f in frames]
+        with self._op_lock:
+            if self._closed:
+                raise QueueClosedError("MessageQueue.enqueue: the queue was closed")
+            chunk = self._chunk
+            self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
+            view = self._ring.begin_write(chunk)
+            if sum(sizes) > self.max_chunk_bytes:
+                struct.pack_into("<I", view, 0, _OVERFLOW)
+                tracker = self._socket.send_multipart(frames, copy=False, track=True)
+                # Readers must receive exactly what we had at enqueue time, so the caller may
+                # not reuse its buffers until ZeroMQ has handed them to every subscriber.
+                tracker.wait()
+            else:
+                _pack(view, frames, sizes)
+            self._ring.end_write(chunk)
+            futex.wake(self._ring.write_seq_addr)
+            self._chunk = (chunk + 1) % self._ring.max_chunks
+
+    # -- reader ---------------------------------------------------------------------------
+    def dequeue(self, timeout: float | None = None) -> Any:
+        """Returns the next message.
+
+        Raises:
+            TimeoutError: nothing arrived within `timeout` seconds.
+            QueueClosedError: the queue was closed locally or by the writer.
+        """
+        if self.is_writer:
+            raise RuntimeError("dequeue() called on the writer; attach a reader with a handle")
+        with self._op_lock:
+            if self._closed:
+                raise QueueClosedError("MessageQueue.dequeue: the queue was closed")
+            chunk, rank = self._chunk, self.rank
+            self._wait(lambda: self._ring.is_readable(chunk, rank), self._ring, timeout, "dequeue")
+            view = self._ring.chunk_view(chunk)
+            try:
+                if struct.unpack_from("<I", view, 0)[0] == _OVERFLOW:
+                    return deserialize(self._recv_overflow())
+                return _unpack(view)
+            finally:
+                # Release the chunk even if unpickling failed, or the writer would stall.
+                del view
+                self._ring.end_read(chunk, rank)
+                futex.wake(self._ring.read_seq_addr)
+                self._chunk = (chunk + 1) % self._ring.max_chunks
+
+    def _recv_overflow(self) -> list[memoryview]:
+        # The writer sent the frames before publishing the marker; poll in slices anyway so a
+        # close() or a dead writer cannot leave us blocked in ZeroMQ forever.
+        while not self._socket.poll(int(_SLEEP_SLICE_S * 1000)):
+            self._check_open(self._ring, "dequeue")
+        return [f.buffer for f in self._socket.recv_multipart(copy=False)]
+
+    # -- waiting ----------------------------------------------------------------------------
+    def _wait(self, ready, ring: ShmRingBuffer, timeout: float | None, op: str) -> None:
+        if ready():
+            return
+        start = time.perf_counter()
+        deadline = None if timeout is None else start + timeout
+        spin_until = start + self.spin_s
+        while time.perf_counter() < spin_until:
+            if ready():
+                return
+        seq_addr = ring.read_seq_addr if self.is_writer else ring.write_seq_addr
+        while True:
+            seq = ring.read_seq if self.is_writer else ring.write_seq
+            if ready():
+                return
+            self._check_open(ring, op)
+            remaining = _SLEEP_SLICE_S
+            if deadline is not None:
+                remaining = min(remaining, deadline - time.perf_counter())
+                if remaining <= 0:
+                    raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
+            futex.wait(seq_addr, seq, remaining)
+
+    def _check_open(self, ring: ShmRingBuffer, op: str) -> None:
+        if self._closed:
+            raise QueueClosedError(f"MessageQueue.{op}: the queue was closed")
+        if ring.closed and not self.is_writer:
+            raise QueueClosedError(f"MessageQueue.{op}: the writer closed the queue")
+
+    # -- start-up and shut-down ---------------------------------------------------------------
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Start-up barrier. The writer waits until every reader's ZeroMQ subscription arrived
+        (a message published before that would be lost), then sends a ready message that each
+        reader waits for here.
+        """
+        if self.is_writer:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            for _ in range(self._handle.n_reader):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._socket.poll(None if left is None else int(left * 1000)):
+                    raise TimeoutError("MessageQueue readers did not connect in time")
+                self._socket.recv()
+            self.enqueue(_READY, timeout=timeout)
+            return
+        message = self.dequeue(timeout=timeout)
+        if message != _READY:
+            raise RuntimeError(f"MessageQueue: expected the ready message, got {message!r}")
+
+    def close(self) -> None:
+        """Idempotent. Wakes every local thread blocked on this queue; the writer's close also
+        makes readers in other processes raise QueueClosedError, and removes the shared memory
+        and the socket file.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_writer:
+            self._ring.mark_closed()
+        futex.wake(self._ring.write_seq_addr)
+        futex.wake(self._ring.read_seq_addr)
+        with self._op_lock:  # the blocked operation has seen _closed and left
+            self._socket.close(linger=0)
+            self._ring.close()
+        if self.is_writer:
+            _remove(self._socket_path)
+            if self._owns_ipc_dir:
+                shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    @staticmethod
+    def unlink_handle(handle: Handle) -> None:
+        """Removes a queue's shared memory and socket file after its writer died."""
+        unlink_ring(handle.ring_path)
+        _remove(handle.zmq_address.removeprefix("ipc://"))
+
+
+def _pack(view: memoryview, frames: list, sizes: list[int]) -> None:
+    header = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+    view[: len(header)] = header
+    offset = _align(len(header))
+    for frame, size in zip(frames, sizes):
+        view[offset : offset + size] = memoryview(frame).cast("B")
+        offset = _align(offset + size)
+
+
+def _unpack(view: memoryview) -> Any:
+    (num_frames,) = struct.unpack_from("<I", view, 0)
+    sizes = struct.unpack_from(f"<{num_frames}Q", view, 4)
+    offset = _align(4 + 8 * num_frames)
+    starts = []
+    for size in sizes:
+        starts.append(offset)
+        offset = _align(offset + size)
+    # One private copy holds every out-of-band buffer: nothing returned aliases the ring.
+    copy_bytes = sum(sizes[1:])
+    private = memoryview(bytearray(copy_bytes)) if copy_bytes else memoryview(b"")
+    buffers, at = [], 0
+    for start, size in zip(starts[1:], sizes[1:]):
+        private[at : at + size] = view[start : start + size]
+        buffers.append(private[at : at + size])
+        at += size
+    return deserialize([view[starts[0] : starts[0] + sizes[0]], *buffers])
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

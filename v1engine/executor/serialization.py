@@ -1,0 +1,64 @@
+"""The only place that pickles: protocol 5 with out-of-band buffers.
+
+`serialize(obj)` returns frames: frame 0 is the pickle stream, frames 1.. are the raw buffers of
+numpy arrays and torch tensors, never copied into the pickle. `deserialize(frames)` rebuilds the
+object on top of whatever buffers it is given, so the transport decides who owns the memory.
+torch is only touched when the sender already imported it, keeping worker start-up light.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import sys
+from typing import Any
+
+Buffer = bytes | bytearray | memoryview
+
+
+def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...]) -> Any:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    raw = memoryview(buffer).cast("B")
+    if raw.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _reduce_tensor(tensor: Any) -> tuple:
+    # Data leaves as one raw byte buffer (out of band); CUDA tensors are copied to the host.
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    if tensor.requires_grad:
+        raise ValueError("cannot send a tensor that requires grad; call .detach() first")
+    raw = flat.view(_uint8()).numpy() if flat.numel() else b""
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), dtype_name, tuple(tensor.shape))
+
+
+def _uint8() -> Any:
+    return sys.modules["torch"].uint8
+
+
+def _dispatch_table() -> dict:
+    table = copyreg.dispatch_table.copy()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        table[torch.Tensor] = _reduce_tensor
+    return table
+
+
+def serialize(obj: Any) -> list[Buffer]:
+    """Returns [pickle stream, *out-of-band buffers]."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dispatch_table = _dispatch_table()
+    pickler.dump(obj)
+    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+
+
+def deserialize(frames: list[Buffer]) -> Any:
+    """Rebuilds from frames; arrays and tensors are views of frames[1:] (no copy here)."""
+    return pickle.loads(frames[0], buffers=frames[1:])

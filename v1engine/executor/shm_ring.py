@@ -1,0 +1,173 @@
+"""ShmRingBuffer: fixed-size chunks in one shared-memory file, one writer, N readers.
+
+Layout of the file (offsets in bytes; every field the writer and readers race on sits on its own
+64-byte line so they do not share a cache line)::
+
+    0                    write_seq   u32   bumped by the writer after each publish; readers sleep on it
+    64                   read_seq    u32   bumped by a reader after each read; the writer sleeps on it
+    128                  closed      u8    set by the writer's close(); readers then raise
+    FLAGS + i * stride   chunk i flags:  [written u8][read_0 u8][read_1 u8] ... [read_{n-1} u8]
+    DATA  + i * C        chunk i data (C = chunk_bytes)
+
+Chunk states, as (written, read flags)::
+
+    (0, any)        empty or being written: readers keep off, the writer may fill it
+    (1, some 0)     published: reader r reads it iff read_r == 0, then sets read_r = 1
+    (1, all 1)      consumed by every reader: the writer may reuse it
+
+The writer fills chunks in order 0, 1, ..., n-1, 0, ... and every reader reads them in the same
+order, so a reader only ever looks at the one chunk it expects next. To reuse a chunk the writer
+sets written = 0, writes the data, clears the read flags and only then sets written = 1; a reader
+therefore never sees half a message. Sequence words are bumped *after* the flags and before the
+futex wake, so a sleeper cannot miss a change (see futex.py). This relies on the stores reaching
+other cores in program order, which x86-64 guarantees; `_fence()` covers weaker CPUs.
+
+The file lives in /dev/shm under a fresh name per queue and is unlinked by the writer's close(),
+or by whichever process notices the writer died (see `unlink`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import threading
+import uuid
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "v1engine-"
+_WRITE_SEQ = 0
+_READ_SEQ = 64
+_CLOSED = 128
+_FLAGS = 192
+_LINE = 64
+_STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    # A lock round trip is a full barrier on weakly ordered CPUs; x86 needs none.
+    if not _STRONG_ORDER:
+        with _fence_lock:
+            pass
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class ShmRingBuffer:
+    """Args:
+        n_reader: readers that must each read every chunk before it is reused.
+        chunk_bytes: bytes per chunk (a message must fit in one chunk).
+        max_chunks: chunks in the ring; the writer blocks when all are unread.
+        path: an existing ring to attach to; None creates a new one.
+    """
+
+    def __init__(
+        self, n_reader: int, chunk_bytes: int, max_chunks: int, path: str | None = None
+    ) -> None:
+        self.n_reader = n_reader
+        self.chunk_bytes = chunk_bytes
+        self.max_chunks = max_chunks
+        self.flag_stride = _round_up(1 + n_reader, _LINE)
+        self.data_start = _round_up(_FLAGS + max_chunks * self.flag_stride, 4096)
+        self.total_bytes = self.data_start + max_chunks * chunk_bytes
+        self.is_creator = path is None
+        self.path = path or os.path.join(SHM_DIR, f"{SHM_PREFIX}{uuid.uuid4().hex[:16]}")
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.is_creator else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if self.is_creator:
+                # Sparse: tmpfs only backs the pages a message actually touches.
+                os.ftruncate(fd, self.total_bytes)
+            self._mmap = mmap.mmap(fd, self.total_bytes)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self._write_seq = ctypes.c_uint32.from_buffer(self._mmap, _WRITE_SEQ)
+        self._read_seq = ctypes.c_uint32.from_buffer(self._mmap, _READ_SEQ)
+        self.write_seq_addr = ctypes.addressof(self._write_seq)
+        self.read_seq_addr = ctypes.addressof(self._read_seq)
+
+    # -- flags ------------------------------------------------------------------------------
+    def _flags_at(self, chunk: int) -> int:
+        return _FLAGS + chunk * self.flag_stride
+
+    def is_readable(self, chunk: int, reader: int) -> bool:
+        at = self._flags_at(chunk)
+        return self.buf[at] == 1 and self.buf[at + 1 + reader] == 0
+
+    def is_writable(self, chunk: int) -> bool:
+        at = self._flags_at(chunk)
+        if self.buf[at] == 0:
+            return True
+        return self.buf[at + 1 : at + 1 + self.n_reader] == b"\x01" * self.n_reader
+
+    def begin_write(self, chunk: int) -> memoryview:
+        self.buf[self._flags_at(chunk)] = 0
+        _fence()
+        start = self.data_start + chunk * self.chunk_bytes
+        return self.buf[start : start + self.chunk_bytes]
+
+    def end_write(self, chunk: int) -> None:
+        at = self._flags_at(chunk)
+        self.buf[at + 1 : at + 1 + self.n_reader] = bytes(self.n_reader)
+        _fence()
+        self.buf[at] = 1
+        _fence()
+        self._write_seq.value += 1
+
+    def chunk_view(self, chunk: int) -> memoryview:
+        start = self.data_start + chunk * self.chunk_bytes
+        return self.buf[start : start + self.chunk_bytes]
+
+    def end_read(self, chunk: int, reader: int) -> None:
+        _fence()
+        self.buf[self._flags_at(chunk) + 1 + reader] = 1
+        _fence()
+        # Readers race on this word; a lost increment is harmless because any change, or the
+        # writer's own re-check of the flags, ends its wait (see futex.py).
+        self._read_seq.value += 1
+
+    # -- sequence words -----------------------------------------------------------------------
+    @property
+    def write_seq(self) -> int:
+        return self._write_seq.value
+
+    @property
+    def read_seq(self) -> int:
+        return self._read_seq.value
+
+    def bump_write_seq(self) -> None:
+        self._write_seq.value += 1
+
+    @property
+    def closed(self) -> bool:
+        return self.buf[_CLOSED] == 1
+
+    def mark_closed(self) -> None:
+        self.buf[_CLOSED] = 1
+        _fence()
+        self._write_seq.value += 1
+        self._read_seq.value += 1
+
+    def close(self) -> None:
+        """Unmaps (and, for the creator, unlinks). No other thread may still use the ring."""
+        if self.buf is None:
+            return
+        del self._write_seq, self._read_seq
+        self.buf.release()
+        self.buf = None
+        self._mmap.close()
+        if self.is_creator:
+            unlink(self.path)
+
+
+def unlink(path: str) -> None:
+    """Removes a ring's file; safe to call from any process, any number of times."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,136 @@
+"""The worker process: build the worker, report READY, then serve broadcast calls until told to
+stop. Runs in a spawned child; the parent side lives in multiproc_executor.py.
+
+Messages on the broadcast queue are `(call_id, method, args, kwargs, reply_rank)` or `SHUTDOWN`;
+each worker answers every call on its own response queue with `(call_id, ok, payload)`, where
+payload is the result (None on ranks other than `reply_rank`) or a RemoteFailure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from v1engine.executor.abstract import resolve_worker_cls
+from v1engine.executor.errors import RemoteFailure
+from v1engine.executor.message_queue import Handle, MessageQueue, QueueClosedError
+from v1engine.logger import init_logger, set_process_rank
+
+logger = init_logger(__name__)
+
+SHUTDOWN = "__v1engine_worker_shutdown__"
+READY = "READY"
+FAILED = "FAILED"
+_HANDSHAKE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class WorkerProcArgs:
+    config: Any
+    rank: int
+    local_rank: int
+    distributed_init_method: str
+    broadcast_handle: Handle
+    ipc_dir: str
+
+
+def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
+    """Entry point of a spawned worker process."""
+    set_process_rank(args.rank)
+    response_mq: MessageQueue | None = None
+    _watch_parent(args, lambda: response_mq)
+    try:
+        worker = _build_worker(args)
+        response_mq = MessageQueue(1, ipc_dir=args.ipc_dir)
+        broadcast_mq = MessageQueue.create_from_handle(args.broadcast_handle, args.rank)
+    except BaseException:
+        ready_conn.send((FAILED, traceback.format_exc()))
+        if response_mq is not None:
+            response_mq.close()
+        ready_conn.close()
+        raise SystemExit(1) from None
+    ready_conn.send((READY, response_mq.export_handle()))
+    ready_conn.close()
+    try:
+        broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+        response_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+        _serve(worker, args.rank, broadcast_mq, response_mq)
+    finally:
+        worker.shutdown()
+        broadcast_mq.close()
+        response_mq.close()
+
+
+def _build_worker(args: WorkerProcArgs) -> Any:
+    worker_cls = resolve_worker_cls(args.config.parallel_config.worker_cls)
+    worker = worker_cls(
+        config=args.config,
+        local_rank=args.local_rank,
+        rank=args.rank,
+        distributed_init_method=args.distributed_init_method,
+        is_driver_worker=args.rank == 0,
+    )
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+def _serve(worker: Any, rank: int, broadcast_mq: MessageQueue, response_mq: MessageQueue) -> None:
+    while True:
+        try:
+            message = broadcast_mq.dequeue()
+        except QueueClosedError:
+            return  # the engine is gone or shutting down
+        if message == SHUTDOWN:
+            return
+        call_id, method, args, kwargs, reply_rank = message
+        reply = _run_call(worker, rank, method, args, kwargs, reply_rank)
+        try:
+            response_mq.enqueue((call_id, *reply))
+        except Exception:  # e.g. a result that cannot be pickled
+            response_mq.enqueue((call_id, False, _failure(rank)))
+
+
+def _run_call(
+    worker: Any, rank: int, method: Any, args: tuple, kwargs: dict, reply_rank: int | None
+) -> tuple[bool, Any]:
+    try:
+        if isinstance(method, str):
+            result = getattr(worker, method)(*args, **kwargs)
+        else:
+            result = method(worker, *args, **kwargs)
+    except Exception:
+        return False, _failure(rank)
+    return True, result if reply_rank in (None, rank) else None
+
+
+def _failure(rank: int) -> RemoteFailure:
+    exc = sys.exc_info()[1]
+    return RemoteFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _watch_parent(args: WorkerProcArgs, response_mq) -> None:
+    """When the engine process dies (even by SIGKILL), remove the shared memory and socket
+    files it can no longer remove itself, then exit at once.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        MessageQueue.unlink_handle(args.broadcast_handle)
+        mq = response_mq()
+        if mq is not None:
+            MessageQueue.unlink_handle(mq.export_handle())
+        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="v1engine-parent-watch", daemon=True).start()
