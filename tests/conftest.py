@@ -9,6 +9,7 @@ import os
 # Triton kernels run on CPU only under the interpreter, and it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gc  # noqa: E402
 import glob  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
@@ -77,6 +78,7 @@ def no_leaks(request):
     """Fails the test that leaves processes, shared memory or ipc files behind."""
     before = _snapshot()
     yield
+    gc.collect()  # objects the test dropped release their resources now, not at random later
     deadline = time.monotonic() + _GRACE_S
     leaks = _leaks(before)
     while leaks and time.monotonic() < deadline:

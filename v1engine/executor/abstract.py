@@ -24,7 +24,9 @@ def resolve_worker_cls(qualname: str) -> type:
         ) from e
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
-        raise ValueError(f"worker_cls {qualname!r}: module {module_name!r} has no class {cls_name!r}")
+        raise ValueError(
+            f"worker_cls {qualname!r}: module {module_name!r} has no class {cls_name!r}"
+        )
     return cls
 
 

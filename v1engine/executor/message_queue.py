@@ -31,8 +31,7 @@ import zmq
 
 from v1engine.executor import futex
 from v1engine.executor.serialization import deserialize, serialize
-from v1engine.executor.shm_ring import ShmRingBuffer
-from v1engine.executor.shm_ring import unlink as unlink_ring
+from v1engine.executor.shm_ring import ShmRingBuffer, unlink_all
 
 DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_CHUNKS = 4
@@ -93,7 +92,12 @@ class MessageQueue:
             raise ValueError(f"MessageQueue needs at least one reader, got n_reader={n_reader}")
         self._owns_ipc_dir = ipc_dir is None
         self.ipc_dir = ipc_dir or make_ipc_dir()
-        self._ring = ShmRingBuffer(n_reader, max_chunk_bytes + _HEADER_SLACK, max_chunks)
+        self._ring = ShmRingBuffer(
+            n_reader,
+            max_chunk_bytes + _HEADER_SLACK,
+            max_chunks,
+            name_prefix=ring_name_prefix(self.ipc_dir),
+        )
         name = os.path.basename(self._ring.path)
         self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
         self._socket = zmq.Context.instance().socket(zmq.XPUB)
@@ -286,10 +290,17 @@ class MessageQueue:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     @staticmethod
-    def unlink_handle(handle: Handle) -> None:
-        """Removes a queue's shared memory and socket file after its writer died."""
-        unlink_ring(handle.ring_path)
-        _remove(handle.zmq_address.removeprefix("ipc://"))
+    def remove_all(ipc_dir: str) -> None:
+        """Removes the shared memory and socket files of every queue created with `ipc_dir`,
+        for when their writers died before closing them.
+        """
+        unlink_all(ring_name_prefix(ipc_dir))
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def ring_name_prefix(ipc_dir: str) -> str:
+    # The ipc directory's name is unique per engine (mkdtemp), so it names the engine's rings.
+    return os.path.basename(os.path.normpath(ipc_dir)) + "-"
 
 
 def _pack(view: memoryview, frames: list, sizes: list[int]) -> None:
@@ -311,7 +322,7 @@ def _unpack(view: memoryview) -> Any:
         offset = _align(offset + size)
     # One private copy holds every out-of-band buffer: nothing returned aliases the ring.
     copy_bytes = sum(sizes[1:])
-    private = memoryview(bytearray(copy_bytes)) if copy_bytes else memoryview(b"")
+    private = memoryview(bytearray(copy_bytes))
     buffers, at = [], 0
     for start, size in zip(starts[1:], sizes[1:]):
         private[at : at + size] = view[start : start + size]

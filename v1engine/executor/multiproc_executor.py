@@ -13,8 +13,6 @@ whose call was abandoned (timed out) has a smaller call_id than any pending call
 from __future__ import annotations
 
 import itertools
-import multiprocessing
-import os
 import queue
 import socket
 import threading
@@ -24,11 +22,10 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 from typing import Any
 
 from v1engine.executor.abstract import Executor, check_rpc_method
-from v1engine.executor.errors import RemoteFailure, WorkerDiedError, WorkerError
+from v1engine.executor.errors import WorkerDiedError, WorkerError
 from v1engine.executor.message_queue import MessageQueue, QueueClosedError
 from v1engine.executor.worker_group import WorkerGroup
 from v1engine.logger import init_logger
@@ -218,4 +215,3 @@ def _distributed_init_method() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"tcp://127.0.0.1:{port}"
-

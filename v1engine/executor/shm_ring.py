@@ -3,8 +3,8 @@
 Layout of the file (offsets in bytes; every field the writer and readers race on sits on its own
 64-byte line so they do not share a cache line)::
 
-    0                    write_seq   u32   bumped by the writer after each publish; readers sleep on it
-    64                   read_seq    u32   bumped by a reader after each read; the writer sleeps on it
+    0                    write_seq   u32   the writer bumps it per message; readers sleep on it
+    64                   read_seq    u32   each reader bumps it per read; the writer sleeps on it
     128                  closed      u8    set by the writer's close(); readers then raise
     FLAGS + i * stride   chunk i flags:  [written u8][read_0 u8][read_1 u8] ... [read_{n-1} u8]
     DATA  + i * C        chunk i data (C = chunk_bytes)
@@ -29,6 +29,7 @@ or by whichever process notices the writer died (see `unlink`).
 from __future__ import annotations
 
 import ctypes
+import glob
 import mmap
 import os
 import platform
@@ -59,14 +60,21 @@ def _round_up(n: int, multiple: int) -> int:
 
 class ShmRingBuffer:
     """Args:
-        n_reader: readers that must each read every chunk before it is reused.
-        chunk_bytes: bytes per chunk (a message must fit in one chunk).
-        max_chunks: chunks in the ring; the writer blocks when all are unread.
-        path: an existing ring to attach to; None creates a new one.
+    n_reader: readers that must each read every chunk before it is reused.
+    chunk_bytes: bytes per chunk (a message must fit in one chunk).
+    max_chunks: chunks in the ring; the writer blocks when all are unread.
+    path: an existing ring to attach to; None creates a new one.
+    name_prefix: a new ring's file name starts with this, so an engine can remove all of
+        its rings by prefix even when a process died before reporting its ring's name.
     """
 
     def __init__(
-        self, n_reader: int, chunk_bytes: int, max_chunks: int, path: str | None = None
+        self,
+        n_reader: int,
+        chunk_bytes: int,
+        max_chunks: int,
+        path: str | None = None,
+        name_prefix: str = SHM_PREFIX,
     ) -> None:
         self.n_reader = n_reader
         self.chunk_bytes = chunk_bytes
@@ -75,7 +83,7 @@ class ShmRingBuffer:
         self.data_start = _round_up(_FLAGS + max_chunks * self.flag_stride, 4096)
         self.total_bytes = self.data_start + max_chunks * chunk_bytes
         self.is_creator = path is None
-        self.path = path or os.path.join(SHM_DIR, f"{SHM_PREFIX}{uuid.uuid4().hex[:16]}")
+        self.path = path or os.path.join(SHM_DIR, f"{name_prefix}{uuid.uuid4().hex[:16]}")
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.is_creator else 0)
         fd = os.open(self.path, flags, 0o600)
         try:
@@ -163,6 +171,12 @@ class ShmRingBuffer:
         self._mmap.close()
         if self.is_creator:
             unlink(self.path)
+
+
+def unlink_all(name_prefix: str) -> None:
+    """Removes every ring whose name starts with `name_prefix` (one engine's rings)."""
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(name_prefix) + "*")):
+        unlink(path)
 
 
 def unlink(path: str) -> None:

@@ -8,7 +8,6 @@ and also runs at interpreter exit (the executor registers it with weakref.finali
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +32,6 @@ class WorkerGroup:
         self.dead_worker: tuple[int, int | None] | None = None
         self.is_shut_down = False
         self.response_mqs: list[MessageQueue] = []
-        self._response_handles: list[Handle] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._shutdown_lock = threading.Lock()
         self._monitor_thread: threading.Thread | None = None
@@ -66,8 +64,8 @@ class WorkerGroup:
             writer.close()
             self._procs.append(proc)
             ready_conns.append(reader)
-        self._response_handles = self._wait_for_ready(ready_conns)
-        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in self._response_handles]
+        handles = self._wait_for_ready(ready_conns)
+        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
         self.broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
         for mq in self.response_mqs:
             mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
@@ -117,6 +115,7 @@ class WorkerGroup:
         if self.is_shut_down or self._stop_r in ready:
             return
         rank = next(sentinels[s] for s in ready if s in sentinels)
+        self._procs[rank].join(1.0)  # reap it, so its exit code is known
         self.dead_worker = (rank, self._procs[rank].exitcode)
         # Wake everything blocked on the queues; callers then see dead_worker.
         self.broadcast_mq.close()
@@ -132,8 +131,9 @@ class WorkerGroup:
                 return
             self.is_shut_down = True
         self._stop_w.send(None)
-        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
-            self._monitor_thread.join()
+        monitor = self._monitor_thread
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join()
         if self.dead_worker is None and self.response_mqs:
             try:
                 self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
@@ -143,9 +143,8 @@ class WorkerGroup:
         self.broadcast_mq.close()
         for mq in self.response_mqs:
             mq.close()
-        for handle in self._response_handles:  # a killed worker could not remove its own
-            MessageQueue.unlink_handle(handle)
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        # A killed worker could not remove its own queue; the names share the engine's prefix.
+        MessageQueue.remove_all(self.ipc_dir)
         self._stop_r.close()
         self._stop_w.close()
 

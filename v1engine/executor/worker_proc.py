@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import sys
 import threading
 import traceback
@@ -45,7 +44,7 @@ def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
     """Entry point of a spawned worker process."""
     set_process_rank(args.rank)
     response_mq: MessageQueue | None = None
-    _watch_parent(args, lambda: response_mq)
+    _watch_parent(args)
     try:
         worker = _build_worker(args)
         response_mq = MessageQueue(1, ipc_dir=args.ipc_dir)
@@ -116,7 +115,7 @@ def _failure(rank: int) -> RemoteFailure:
     return RemoteFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())
 
 
-def _watch_parent(args: WorkerProcArgs, response_mq) -> None:
+def _watch_parent(args: WorkerProcArgs) -> None:
     """When the engine process dies (even by SIGKILL), remove the shared memory and socket
     files it can no longer remove itself, then exit at once.
     """
@@ -126,11 +125,7 @@ def _watch_parent(args: WorkerProcArgs, response_mq) -> None:
 
     def watch() -> None:
         wait([parent.sentinel])
-        MessageQueue.unlink_handle(args.broadcast_handle)
-        mq = response_mq()
-        if mq is not None:
-            MessageQueue.unlink_handle(mq.export_handle())
-        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+        MessageQueue.remove_all(args.ipc_dir)
         os._exit(1)
 
     threading.Thread(target=watch, name="v1engine-parent-watch", daemon=True).start()
