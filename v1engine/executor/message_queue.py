@@ -31,11 +31,11 @@ import zmq
 
 from v1engine.executor import futex
 from v1engine.executor.serialization import deserialize, serialize
-from v1engine.executor.shm_ring import ShmRingBuffer, unlink_all
+from v1engine.executor.shm_ring import ShmRingBuffer, full_fence, unlink_all
 
 DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_CHUNKS = 4
-DEFAULT_SPIN_S = 50e-6
+DEFAULT_SPIN_S = 100e-6
 _OVERFLOW = 0xFFFFFFFF
 _HEADER_SLACK = 64 * 1024
 _ALIGN = 64
@@ -184,7 +184,9 @@ class MessageQueue:
             else:
                 _pack(view, frames, sizes)
             self._ring.end_write(chunk)
-            futex.wake(self._ring.write_seq_addr)
+            full_fence()
+            if self._ring.any_reader_sleeping():
+                futex.wake(self._ring.write_seq_addr)
             self._chunk = (chunk + 1) % self._ring.max_chunks
 
     # -- reader ---------------------------------------------------------------------------
@@ -211,7 +213,9 @@ class MessageQueue:
                 # Release the chunk even if unpickling failed, or the writer would stall.
                 del view
                 self._ring.end_read(chunk, rank)
-                futex.wake(self._ring.read_seq_addr)
+                full_fence()
+                if self._ring.writer_sleeping():
+                    futex.wake(self._ring.read_seq_addr)
                 self._chunk = (chunk + 1) % self._ring.max_chunks
 
     def _recv_overflow(self) -> list[memoryview]:
@@ -227,22 +231,31 @@ class MessageQueue:
             return
         start = time.perf_counter()
         deadline = None if timeout is None else start + timeout
+        # Spin politely: yielding hands the core to the process we are waiting for when both
+        # share it, and a message that arrives now costs no sleep and no wake-up call.
         spin_until = start + self.spin_s
         while time.perf_counter() < spin_until:
+            os.sched_yield()
             if ready():
                 return
+        me = -1 if self.is_writer else self.rank
         seq_addr = ring.read_seq_addr if self.is_writer else ring.write_seq_addr
-        while True:
-            seq = ring.read_seq if self.is_writer else ring.write_seq
-            if ready():
-                return
-            self._check_open(ring, op)
-            remaining = _SLEEP_SLICE_S
-            if deadline is not None:
-                remaining = min(remaining, deadline - time.perf_counter())
-                if remaining <= 0:
-                    raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
-            futex.wait(seq_addr, seq, remaining)
+        ring.set_sleeping(me, True)
+        full_fence()  # the other side must see our flag before we read its progress
+        try:
+            while True:
+                seq = ring.read_seq if self.is_writer else ring.write_seq
+                if ready():
+                    return
+                self._check_open(ring, op)
+                remaining = _SLEEP_SLICE_S
+                if deadline is not None:
+                    remaining = min(remaining, deadline - time.perf_counter())
+                    if remaining <= 0:
+                        raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
+                futex.wait(seq_addr, seq, remaining)
+        finally:
+            ring.set_sleeping(me, False)
 
     def _check_open(self, ring: ShmRingBuffer, op: str) -> None:
         if self._closed:

@@ -6,6 +6,8 @@ Layout of the file (offsets in bytes; every field the writer and readers race on
     0                    write_seq   u32   the writer bumps it per message; readers sleep on it
     64                   read_seq    u32   each reader bumps it per read; the writer sleeps on it
     128                  closed      u8    set by the writer's close(); readers then raise
+    192                  sleeping    u8    the writer is (about to be) asleep on read_seq
+    256 + r              sleeping_r  u8    reader r is (about to be) asleep on write_seq
     FLAGS + i * stride   chunk i flags:  [written u8][read_0 u8][read_1 u8] ... [read_{n-1} u8]
     DATA  + i * C        chunk i data (C = chunk_bytes)
 
@@ -18,9 +20,13 @@ Chunk states, as (written, read flags)::
 The writer fills chunks in order 0, 1, ..., n-1, 0, ... and every reader reads them in the same
 order, so a reader only ever looks at the one chunk it expects next. To reuse a chunk the writer
 sets written = 0, writes the data, clears the read flags and only then sets written = 1; a reader
-therefore never sees half a message. Sequence words are bumped *after* the flags and before the
-futex wake, so a sleeper cannot miss a change (see futex.py). This relies on the stores reaching
-other cores in program order, which x86-64 guarantees; `_fence()` covers weaker CPUs.
+therefore never sees half a message. This relies on stores reaching other cores in program order,
+which x86-64 guarantees; `_fence()` covers weaker CPUs.
+
+Waking costs a system call, so a side only wakes the other when its `sleeping` flag is set. A
+sleeper sets its flag, then (after a full fence) reads the sequence word and re-checks the chunk
+before it sleeps; a waker bumps the sequence word, then (after a full fence) reads the flags. One
+of the two always sees the other's store, so no wake-up is lost.
 
 The file lives in /dev/shm under a fresh name per queue and is unlinked by the writer's close(),
 or by whichever process notices the writer died (see `unlink`).
@@ -41,17 +47,25 @@ SHM_PREFIX = "v1engine-"
 _WRITE_SEQ = 0
 _READ_SEQ = 64
 _CLOSED = 128
-_FLAGS = 192
+_WRITER_SLEEPING = 192
+_READERS_SLEEPING = 256
 _LINE = 64
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
 
 
 def _fence() -> None:
-    # A lock round trip is a full barrier on weakly ordered CPUs; x86 needs none.
+    # Store-store / load-load ordering: free on x86; a lock round trip elsewhere.
     if not _STRONG_ORDER:
-        with _fence_lock:
-            pass
+        full_fence()
+
+
+def full_fence() -> None:
+    """A full memory barrier (store-load too): acquiring a lock is an atomic read-modify-write,
+    which orders every earlier store before every later load, on x86 as elsewhere.
+    """
+    with _fence_lock:
+        pass
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -80,7 +94,8 @@ class ShmRingBuffer:
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
         self.flag_stride = _round_up(1 + n_reader, _LINE)
-        self.data_start = _round_up(_FLAGS + max_chunks * self.flag_stride, 4096)
+        self.flags_start = _round_up(_READERS_SLEEPING + n_reader, _LINE)
+        self.data_start = _round_up(self.flags_start + max_chunks * self.flag_stride, 4096)
         self.total_bytes = self.data_start + max_chunks * chunk_bytes
         self.is_creator = path is None
         self.path = path or os.path.join(SHM_DIR, f"{name_prefix}{uuid.uuid4().hex[:16]}")
@@ -101,7 +116,7 @@ class ShmRingBuffer:
 
     # -- flags ------------------------------------------------------------------------------
     def _flags_at(self, chunk: int) -> int:
-        return _FLAGS + chunk * self.flag_stride
+        return self.flags_start + chunk * self.flag_stride
 
     def is_readable(self, chunk: int, reader: int) -> bool:
         at = self._flags_at(chunk)
@@ -150,6 +165,18 @@ class ShmRingBuffer:
 
     def bump_write_seq(self) -> None:
         self._write_seq.value += 1
+
+    # -- sleeping flags (writer: reader = -1) ---------------------------------------------------
+    def set_sleeping(self, reader: int, sleeping: bool) -> None:
+        at = _WRITER_SLEEPING if reader < 0 else _READERS_SLEEPING + reader
+        self.buf[at] = 1 if sleeping else 0
+
+    def any_reader_sleeping(self) -> bool:
+        flags = self.buf[_READERS_SLEEPING : _READERS_SLEEPING + self.n_reader]
+        return flags != bytes(self.n_reader)
+
+    def writer_sleeping(self) -> bool:
+        return self.buf[_WRITER_SLEEPING] == 1
 
     @property
     def closed(self) -> bool:
