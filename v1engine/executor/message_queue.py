@@ -333,14 +333,9 @@ def _unpack(view: memoryview) -> Any:
     for size in sizes:
         starts.append(offset)
         offset = _align(offset + size)
-    # One private copy holds every out-of-band buffer: nothing returned aliases the ring.
-    copy_bytes = sum(sizes[1:])
-    private = memoryview(bytearray(copy_bytes))
-    buffers, at = [], 0
-    for start, size in zip(starts[1:], sizes[1:]):
-        private[at : at + size] = view[start : start + size]
-        buffers.append(private[at : at + size])
-        at += size
+    # Private copies of the out-of-band buffers, so nothing returned aliases the ring. Building
+    # the bytearray from the slice copies once (a zeroed bytearray would touch the memory twice).
+    buffers = [bytearray(view[start : start + size]) for start, size in zip(starts[1:], sizes[1:])]
     return deserialize([view[starts[0] : starts[0] + sizes[0]], *buffers])
 
 

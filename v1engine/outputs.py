@@ -1,0 +1,72 @@
+"""What crosses between the scheduler and the workers each step.
+
+`SchedulerOutput` sends a request whole the first time it is scheduled (`NewRequestData`) and
+afterwards only what changed (`CachedRequestData`): the tokens appended since the workers last
+saw it, its new blocks and its computed-token count. Workers keep every request's tokens and
+block table until it appears in `finished_req_ids`, so a preempted request that resumes arrives as
+a diff with `resumed_from_preemption` and a complete block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from v1engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # One block-id list per KV cache group.
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Column-wise diffs of the running requests scheduled this step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Output tokens sampled since the workers last saw the request.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Blocks added this step per group (the whole table when resumed), or None.
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # req_id -> tokens computed this step, for every scheduled request.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests done since the last step (finished, aborted): workers drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted since the last step: workers free their batch slots, keep their tokens.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: [sampled token, top-k tokens...] ids and logprobs, and its rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request in req_ids: the tokens sampled this step ([] for a partial prefill chunk).
+    sampled_token_ids: list[list[int]]
+    # Row i belongs to the i-th request that sampled, or None without logprobs.
+    logprobs: LogprobsLists | None = None
