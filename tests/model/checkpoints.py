@@ -1,0 +1,120 @@
+"""Tiny random-weight HF checkpoints for tests, saved as safetensors directories. Nothing downloads.
+
+    path = make_checkpoint(tmp_path, "llama")                  # untied, GQA
+    path = make_checkpoint(tmp_path, "mistral", num_hidden_layers=3)  # config overrides
+
+Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it), llama_tied
+(tied embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid
+(sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
+mistral (sliding window 8, shorter than the test prompts). Weights are drawn with a larger spread
+than HF's init so logits are far from ties and greedy decoding is a meaningful check.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+_COMMON = dict(
+    vocab_size=131,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "llama3_rope": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen2_hybrid": (
+        "Qwen2Config",
+        dict(
+            tie_word_embeddings=True, use_sliding_window=True, sliding_window=6, max_window_layers=1
+        ),
+    ),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+}
+
+
+def make_config(arch: str, **overrides: Any) -> Any:
+    """The transformers config of preset `arch`, with `overrides` applied."""
+    import transformers
+
+    if arch not in CHECKPOINT_PRESETS:
+        raise ValueError(f"unknown preset {arch!r}; presets: {sorted(CHECKPOINT_PRESETS)}")
+    config_cls_name, preset = CHECKPOINT_PRESETS[arch]
+    kwargs = {**_COMMON, **preset, **overrides}
+    return getattr(transformers, config_cls_name)(**kwargs)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.1 * noise)
+
+
+def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A float32 transformers model of preset `arch` with random weights, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def make_checkpoint(
+    tmp_path: str | os.PathLike,
+    arch: str,
+    *,
+    seed: int = 0,
+    name: str | None = None,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> str:
+    """Saves a random preset-`arch` model under `tmp_path/<name or arch>`; returns that directory.
+
+    `max_shard_size` (e.g. "40KB") splits the weights into several safetensors files with a
+    `model.safetensors.index.json`, as large real checkpoints are.
+    """
+    model = make_hf_model(arch, seed, **overrides)
+    path = os.path.join(os.fspath(tmp_path), name or arch)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def load_hf_model(path: str) -> torch.nn.Module:
+    """The transformers model saved at `path`, float32, eval mode: the reference for parity."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

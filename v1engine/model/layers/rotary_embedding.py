@@ -1,0 +1,89 @@
+"""Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3/linear scaling.
+
+cos/sin are precomputed for every position up to `max_position` in float32, with the same
+arithmetic HF uses per step, so results match transformers bit for bit in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `rope_parameters`; older releases in `rope_theta` + `rope_scaling`.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        rope_type = params["rope_type"]
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}"
+            )
+        self.head_size = head_size
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / params["factor"]
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_size // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    @classmethod
+    def from_config(cls, hf_config: Any, head_size: int) -> RotaryEmbedding:
+        params = get_rope_parameters(hf_config)
+        return cls(head_size, hf_config.max_position_embeddings, params)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens]; query/key [num_tokens, num_heads, head_size] -> rotated."""
+        # [num_tokens, 1, head_size]
+        cos = self.cos_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        return query, key

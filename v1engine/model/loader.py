@@ -1,0 +1,95 @@
+"""Builds a model on its device and streams safetensors weights into this rank's shards.
+
+Each checkpoint tensor reaches its parameter's `weight_loader` as a lazy `get_slice` handle, so a
+rank reads only the rows or columns it owns and never holds the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from v1engine.logger import init_logger
+from v1engine.model.hf_config import get_architecture, prepare_checkpoint
+from v1engine.model.models.registry import get_model_class
+from v1engine.model.parallel_state import get_tp_rank
+from v1engine.model.weight_utils import WeightSource
+
+logger = init_logger(__name__)
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def get_weight_files(checkpoint_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint: the sharded index's files, or model.safetensors.
+
+    Raises:
+        RuntimeError: no weights, or the index names a file that is not there.
+    """
+    index_path = os.path.join(checkpoint_dir, _INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(checkpoint_dir, name) for name in sorted(set(weight_map.values()))]
+        missing = [path for path in files if not os.path.isfile(path)]
+        if missing:
+            raise RuntimeError(
+                f"{index_path} lists weight file(s) that do not exist: {missing}; the checkpoint "
+                "download is incomplete, fetch the missing shards"
+            )
+        return files
+    single = os.path.join(checkpoint_dir, _SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise RuntimeError(
+        f"no {_SINGLE_FILE} or {_INDEX_FILE} in {checkpoint_dir!r}; v1engine loads safetensors "
+        "checkpoints (convert .bin weights with transformers' save_pretrained)"
+    )
+
+
+def iterate_weights(files: list[str]) -> Iterator[tuple[str, WeightSource]]:
+    """(name, lazy slice) for every tensor of every file, with a progress bar on rank 0."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    num_tensors = 0
+    for path in files:  # headers only: cheap, and gives the bar its total
+        with safe_open(path, framework="pt") as f:
+            num_tensors += len(f.keys())
+    with tqdm(total=num_tensors, desc="Loading weights", disable=get_tp_rank() != 0) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name)
+                    bar.update(1)
+
+
+def load_model(
+    checkpoint_dir: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> nn.Module:
+    """The model for `hf_config`, built on `device` in `dtype`, with this rank's weights loaded.
+
+    `checkpoint_dir` is an HF directory, or a .gguf file (converted once, see
+    `prepare_checkpoint`). Raises RuntimeError/ValueError naming the missing file or tensor when
+    the checkpoint is bad.
+    """
+    model_cls = get_model_class(get_architecture(hf_config))
+    device = torch.device(device)
+    checkpoint_dir = prepare_checkpoint(checkpoint_dir)
+    files = get_weight_files(checkpoint_dir)
+    with torch.device(device):
+        model = model_cls(hf_config, dtype)
+    # Slices are read on CPU and copied into the device parameters shard by shard.
+    model.load_weights(iterate_weights(files))
+    model.eval()
+    logger.debug("Loaded %s from %s on %s", model_cls.__name__, checkpoint_dir, device)
+    return model

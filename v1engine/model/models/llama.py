@@ -1,0 +1,250 @@
+"""Llama (and SmolLM2): the decoder every other architecture here reuses with small overrides.
+
+Interface the model runner relies on, shared by all models in this package:
+`model(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]`,
+`model.compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]` float32, and
+`model.load_weights(iterable of (checkpoint name, tensor or safetensors slice))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from v1engine.model.layers.activation import SiluAndMul
+from v1engine.model.layers.attention import Attention
+from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from v1engine.model.layers.rotary_embedding import RotaryEmbedding
+from v1engine.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from v1engine.model.weight_utils import WeightSource, default_weight_loader
+
+# (merged parameter, checkpoint projection, shard id) for projections fused into one matmul.
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def get_head_size(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def get_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window in tokens, or None for full attention.
+
+    transformers 5 lists per-layer kinds in `layer_types`; configs without it (Mistral, older
+    Qwen2) apply `sliding_window` to every layer, or from `max_window_layers` on.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and layer_idx < max_window_layers:
+        return None
+    return window
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str):
+        super().__init__()
+        self.head_size = get_head_size(config)
+        qkv_bias, o_bias = self.projection_biases(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            qkv_bias,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_size, config.hidden_size, o_bias
+        )
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads,
+            self.head_size,
+            self.head_size**-0.5,
+            self.num_kv_heads,
+            layer_name=f"{prefix}.attn",
+            sliding_window=get_sliding_window(config, layer_idx),
+        )
+
+    @staticmethod
+    def projection_biases(config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias)."""
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE; Llama has none (Qwen3 normalizes each head)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        attention_cls: type[LlamaAttention],
+        rotary_emb: RotaryEmbedding,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: (hidden, residual) -> norm(sum), sum.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by all layers.
+        rotary_emb = RotaryEmbedding.from_config(config, get_head_size(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls, rotary_emb, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        with _default_dtype(dtype):
+            self.model = LlamaModel(hf_config, self.attention_cls)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        if hf_config.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Loads checkpoint tensors (HF names) into this rank's shards.
+
+        Raises:
+            ValueError: a checkpoint tensor has no parameter here, or a parameter got no tensor.
+        """
+        params = dict(self.named_parameters())
+        missing = set(self.expected_checkpoint_names())
+        for name, loaded in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding already holds it
+            param_name, shard_id = _param_name(name)
+            if param_name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}; "
+                    "the checkpoint does not match its config.json architecture"
+                )
+            param = params[param_name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            weight_loader(param, loaded, shard_id)
+            missing.discard(name)
+        if missing:
+            raise ValueError(
+                f"checkpoint lacks {len(missing)} tensor(s) {type(self).__name__} needs, "
+                f"e.g. {sorted(missing)[:5]}; is the checkpoint complete?"
+            )
+
+    def expected_checkpoint_names(self) -> list[str]:
+        """The HF tensor names a complete checkpoint provides (fused params expanded)."""
+        names = []
+        for name, _ in self.named_parameters():
+            parts = [(part, merged) for merged, part, _ in _STACKED_PARAMS if f".{merged}." in name]
+            names += [name.replace(f".{merged}.", f".{part}.") for part, merged in parts] or [name]
+        return names
+
+
+def _param_name(checkpoint_name: str) -> tuple[str, object]:
+    for merged, part, shard_id in _STACKED_PARAMS:
+        if f".{part}." in checkpoint_name:
+            return checkpoint_name.replace(f".{part}.", f".{merged}."), shard_id
+    return checkpoint_name, None
