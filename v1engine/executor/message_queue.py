@@ -100,7 +100,7 @@ class MessageQueue:
         )
         name = os.path.basename(self._ring.path)
         self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
-        self._socket = zmq.Context.instance().socket(zmq.XPUB)
+        self._socket = _zmq_context().socket(zmq.XPUB)
         self._configure_socket()
         # Every reader's subscription must reach us, not just the first (see wait_until_ready).
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -132,7 +132,7 @@ class MessageQueue:
             handle.max_chunks,
             path=handle.ring_path,
         )
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket = _zmq_context().socket(zmq.SUB)
         self._configure_socket()
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._socket.connect(handle.zmq_address)
@@ -144,6 +144,8 @@ class MessageQueue:
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDBUF, 4 << 20)
+        self._socket.setsockopt(zmq.RCVBUF, 4 << 20)
 
     def _init_common(self, is_writer: bool, rank: int, spin_s: float) -> None:
         self.is_writer = is_writer
@@ -329,6 +331,8 @@ def _unpack(view: memoryview) -> Any:
     (num_frames,) = struct.unpack_from("<I", view, 0)
     sizes = struct.unpack_from(f"<{num_frames}Q", view, 4)
     offset = _align(4 + 8 * num_frames)
+    if num_frames == 1:  # the common small message: no out-of-band buffers
+        return deserialize([view[offset : offset + sizes[0]]])
     starts = []
     for size in sizes:
         starts.append(offset)
@@ -344,3 +348,14 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+_context: zmq.Context | None = None
+
+
+def _zmq_context() -> zmq.Context:
+    # Two I/O threads let a writer feed two readers' sockets at once for overflow messages.
+    global _context
+    if _context is None:
+        _context = zmq.Context(io_threads=2)
+    return _context

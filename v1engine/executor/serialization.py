@@ -41,22 +41,41 @@ def _uint8() -> Any:
     return sys.modules["torch"].uint8
 
 
-def _dispatch_table() -> dict:
-    table = copyreg.dispatch_table.copy()
+# Buffers smaller than this stay in the pickle stream: a separate frame costs more than it saves.
+_MIN_OUT_OF_BAND_BYTES = 4096
+_pickler_cls: type[pickle.Pickler] | None = None
+
+
+def _get_pickler_cls() -> type[pickle.Pickler]:
+    """A Pickler class whose dispatch table knows torch.Tensor once torch is imported; built once
+    (per torch import), not per message.
+    """
+    global _pickler_cls
     torch = sys.modules.get("torch")
-    if torch is not None:
-        table[torch.Tensor] = _reduce_tensor
-    return table
+    if _pickler_cls is None or (torch is not None and not _pickler_cls.knows_torch):
+        table = copyreg.dispatch_table.copy()
+        if torch is not None:
+            table[torch.Tensor] = _reduce_tensor
+        _pickler_cls = type(
+            "_Pickler", (pickle.Pickler,), {"dispatch_table": table, "knows_torch": bool(torch)}
+        )
+    return _pickler_cls
 
 
 def serialize(obj: Any) -> list[Buffer]:
     """Returns [pickle stream, *out-of-band buffers]."""
-    buffers: list[pickle.PickleBuffer] = []
+    buffers: list[memoryview] = []
+
+    def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < _MIN_OUT_OF_BAND_BYTES:
+            return True
+        buffers.append(raw)
+        return False
+
     stream = io.BytesIO()
-    pickler = pickle.Pickler(stream, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _dispatch_table()
-    pickler.dump(obj)
-    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+    _get_pickler_cls()(stream, protocol=5, buffer_callback=keep_in_band).dump(obj)
+    return [stream.getbuffer(), *buffers]
 
 
 def deserialize(frames: list[Buffer]) -> Any:
