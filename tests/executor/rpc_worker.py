@@ -55,3 +55,12 @@ class FailingInitWorker(WorkerBase):
 def rank_times(worker: RPCTestWorker, factor: int) -> int:
     """A module-level function run as fn(worker, *args)."""
     return worker.rank * factor
+
+
+def ignore_sigterm_and_sleep(worker: RPCTestWorker, seconds: float) -> None:
+    """Simulates a wedged worker: busy in a call and deaf to SIGTERM."""
+    import signal
+
+    if worker.rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)

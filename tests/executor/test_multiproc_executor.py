@@ -197,3 +197,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):
+    from tests.executor.rpc_worker import ignore_sigterm_and_sleep
+
+    pids = executor.collective_rpc("get_pid")
+    executor.collective_rpc(ignore_sigterm_and_sleep, args=(120.0,), non_block=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - start < 20
+    for pid in pids:
+        assert not _alive(pid)
