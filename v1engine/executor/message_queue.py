@@ -177,19 +177,27 @@ class MessageQueue:
             chunk = self._chunk
             self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
             view = self._ring.begin_write(chunk)
-            if sum(sizes) > self.max_chunk_bytes:
+            overflow = sum(sizes) > self.max_chunk_bytes
+            if overflow:
                 struct.pack_into("<I", view, 0, _OVERFLOW)
-                tracker = self._socket.send_multipart(frames, copy=False, track=True)
-                # Readers must receive exactly what we had at enqueue time, so the caller may
-                # not reuse its buffers until ZeroMQ has handed them to every subscriber.
-                tracker.wait()
             else:
                 _pack(view, frames, sizes)
-            self._ring.end_write(chunk)
-            full_fence()
-            if self._ring.any_reader_sleeping():
-                futex.wake(self._ring.write_seq_addr)
-            self._chunk = (chunk + 1) % self._ring.max_chunks
+            del view
+            self._publish(chunk)
+            if overflow:
+                # The marker is out first, so readers already wait in ZeroMQ, which hands them
+                # the message the moment its last byte lands (multipart delivery is atomic).
+                tracker = self._socket.send_multipart(frames, copy=False, track=True)
+                # Readers must get exactly what the caller had at enqueue time, so we return
+                # only once ZeroMQ is done with the caller's buffers.
+                tracker.wait()
+
+    def _publish(self, chunk: int) -> None:
+        self._ring.end_write(chunk)
+        full_fence()
+        if self._ring.any_reader_sleeping():
+            futex.wake(self._ring.write_seq_addr)
+        self._chunk = (chunk + 1) % self._ring.max_chunks
 
     # -- reader ---------------------------------------------------------------------------
     def dequeue(self, timeout: float | None = None) -> Any:
@@ -221,8 +229,8 @@ class MessageQueue:
                 self._chunk = (chunk + 1) % self._ring.max_chunks
 
     def _recv_overflow(self) -> list[memoryview]:
-        # The writer sent the frames before publishing the marker; poll in slices anyway so a
-        # close() or a dead writer cannot leave us blocked in ZeroMQ forever.
+        # The writer sends the frames right after the marker; poll in slices so a close() or a
+        # dead writer cannot leave us blocked in ZeroMQ forever.
         while not self._socket.poll(int(_SLEEP_SLICE_S * 1000)):
             self._check_open(self._ring, "dequeue")
         return [f.buffer for f in self._socket.recv_multipart(copy=False)]
