@@ -1,5 +1,6 @@
 """Suite-wide fixtures. The leak check is autouse: a test that leaves a child process, a /dev/shm
 segment or an ipc directory behind fails, and the leftovers are cleaned so later tests start clean.
+Subprocess-driven tests (an engine in another process) check their own leftovers by name.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ def _children() -> dict[int, str]:
     return found
 
 
+# Engine resources are named after the process that created them (`make_ipc_dir`), so concurrent
+# test runs on one machine never blame or delete each other's segments.
+_OURS = f"v1engine-{os.getpid()}-"
+
+
 def _shm_entries() -> set[str]:
-    return set(os.listdir(_SHM_DIR)) if os.path.isdir(_SHM_DIR) else set()
+    if not os.path.isdir(_SHM_DIR):
+        return set()
+    return {name for name in os.listdir(_SHM_DIR) if name.startswith(_OURS)}
 
 
 def _ipc_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "v1engine-*")))
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), _OURS + "*")))
 
 
 def _snapshot() -> tuple[dict[int, str], set[str], set[str]]:

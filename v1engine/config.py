@@ -38,9 +38,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(
-            self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"
-        )
+        _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)

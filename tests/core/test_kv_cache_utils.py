@@ -167,9 +167,12 @@ def test_num_gpu_blocks_override_too_small_for_max_model_len():
         one({"layer1": full(), "layer2": full()}, PAGE * 2 * 1024, cache=cache, sched=sched)
     message = str(info.value)
     assert "num_gpu_blocks_override` (now 32)" in message
-    assert "estimated maximum model length is 512" in message
-    # Exactly enough blocks passes: no null block is reserved (vLLM before PR #47272).
-    sched = SchedulerConfig(max_model_len=512)
+    # One of the 32 blocks is the block pool's null block: 31 x 16 tokens are usable.
+    assert "estimated maximum model length is 496" in message
+    sched = SchedulerConfig(max_model_len=512)  # exactly 32 blocks: one short at run time
+    with pytest.raises(ValueError, match="max seq len"):
+        one({"layer1": full()}, PAGE, cache=cache, sched=sched)
+    sched = SchedulerConfig(max_model_len=496)
     assert one({"layer1": full()}, PAGE, cache=cache, sched=sched).num_blocks == 32
 
 
@@ -181,15 +184,15 @@ def test_no_memory_left_for_the_cache(memory):
 
 
 def test_not_enough_memory_message_names_sizes_estimate_and_knobs():
-    sched = SchedulerConfig(max_model_len=2048)  # 2 layers x 128 pages
+    sched = SchedulerConfig(max_model_len=2048)  # 2 layers x 128 pages + the null block
     with pytest.raises(ValueError) as info:
         one({"layer1": full(), "layer2": full()}, PAGE * 100, sched=sched)
     message = str(info.value)
     for part in (
         "max seq len (max_model_len=2048)",
-        f"({256 * PAGE} bytes)",
+        f"({258 * PAGE} bytes)",
         f"({100 * PAGE} bytes)",
-        "estimated maximum model length is 800",
+        "estimated maximum model length is 784",  # (50 blocks - null block) x 16
         "gpu_memory_utilization",
         "kv_cache_memory_bytes` (now unset)",
         "decreasing `max_model_len`",
@@ -204,8 +207,8 @@ def test_not_enough_memory_message_in_gib():
         configs([spec, spec], [8 << 30, 9 << 30], sched=sched)
     message = str(info.value)
     assert message.startswith("rank 0: ")
-    assert "8.01 GiB of KV cache is needed" in message and "memory: 8.00 GiB" in message
-    assert "estimated maximum model length is 16384" in message
+    assert "8.02 GiB of KV cache is needed" in message and "memory: 8.00 GiB" in message
+    assert "estimated maximum model length is 16368" in message  # 1024 blocks - null block
 
 
 def test_estimate_is_left_out_when_not_even_one_token_fits():
@@ -215,21 +218,21 @@ def test_estimate_is_left_out_when_not_even_one_token_fits():
 
 
 def test_memory_check_at_the_exact_boundary():
-    sched = SchedulerConfig(max_model_len=100)  # 7 pages per full layer
+    sched = SchedulerConfig(max_model_len=100)  # 7 pages per full layer, + 1 null block
     specs = {"layer1": full(), "layer2": full()}
-    assert one(specs, 14 * PAGE, sched=sched).num_blocks == 7
+    assert one(specs, 16 * PAGE, sched=sched).num_blocks == 8
     with pytest.raises(ValueError, match="max seq len"):
-        one(specs, 14 * PAGE - 1, sched=sched)
+        one(specs, 16 * PAGE - 1, sched=sched)
 
 
 def test_memory_check_counts_padding_layers_of_hybrid_groups():
     # Groups (F1,F2,F3) (S4,S7,S10) (S5,S8,_) (S6,S9,_): 3 x (1 + 3 x 2) = 21 pages per
-    # request, though the layers alone need 3 + 7 x 2 = 17.
+    # request, though the layers alone need 3 + 7 x 2 = 17; plus the null block's 3 pages.
     specs = hybrid(3, 7)
     check_enough_kv_cache_memory(CACHE, SCHED, specs, 17 * PAGE)
     with pytest.raises(ValueError, match="max seq len"):
-        one(specs, 21 * PAGE - 1)
-    assert one(specs, 21 * PAGE).num_blocks == 7
+        one(specs, 24 * PAGE - 1)
+    assert one(specs, 24 * PAGE).num_blocks == 8
 
 
 def test_check_enough_kv_cache_memory_sums_over_layers():

@@ -161,19 +161,22 @@ def estimate_max_model_len(
 def _memory_for_len_from_groups(
     scheduler_config: SchedulerConfig, groups: list[KVCacheGroupSpec]
 ) -> Callable[[int], int]:
-    """Bytes one request of a given length takes on this worker, padding layers included."""
+    """Bytes one request of a given length takes on this worker, padding layers included, plus
+    the block the block pool keeps back as its null block (as vLLM does since its PR #47272):
+    without it a cache of exactly one request's blocks passes here and then never schedules it.
+    """
     tokens = scheduler_config.max_num_batched_tokens
+    block_bytes = bytes_per_block(groups)
     if is_uniform_type_layout(groups):
         spec = groups[0].kv_cache_spec
-        return lambda length: spec.max_memory_usage_bytes(length, tokens)
-    block_bytes = bytes_per_block(groups)
+        return lambda length: spec.max_memory_usage_bytes(length, tokens) + block_bytes
     page_size = uniform_page_size(groups)
     specs = [group.kv_cache_spec for group in groups]
 
     # Every group draws its blocks from the same pool, empty groups on this worker included.
     def memory_for_len(length: int) -> int:
         blocks = sum(cdiv(spec.max_memory_usage_bytes(length, tokens), page_size) for spec in specs)
-        return blocks * block_bytes
+        return (blocks + 1) * block_bytes
 
     return memory_for_len
 

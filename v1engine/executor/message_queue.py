@@ -41,6 +41,7 @@ _HEADER_SLACK = 64 * 1024
 _ALIGN = 64
 _SLEEP_SLICE_S = 1.0
 _READY = "__v1engine_queue_ready__"
+IPC_DIR_PREFIX = "v1engine-"
 
 
 class QueueClosedError(RuntimeError):
@@ -60,8 +61,11 @@ class Handle:
 
 
 def make_ipc_dir() -> str:
-    """A private (0700) directory for one engine's ipc socket files."""
-    return tempfile.mkdtemp(prefix="v1engine-")
+    """A private (0700) directory for one engine's ipc socket files. Its name carries the
+    creating process's pid, and so do the names of the engine's rings (see ring_name_prefix),
+    so every leftover can be traced to the process that made it.
+    """
+    return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
 
 
 def _align(n: int) -> int:

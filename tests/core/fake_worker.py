@@ -1,0 +1,214 @@
+"""Test doubles for the scheduler: a fake worker that sees only what a real one sees.
+
+`FakeWorker` rebuilds every request's tokens and block table from the `SchedulerOutput` diffs
+alone, the way `GPUModelRunner` does, and "computes" KV by writing into a fake paged cache: the
+slot of position p holds a key of the tokens 0..p. Reading back every earlier position before
+sampling proves that block tables, prefix-cache hits and preemption never hand a request someone
+else's KV or lose its own. Tokens come from `token_fn(prompt and outputs)`, a pure function, so a
+request generates the same tokens however it is scheduled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from v1engine.config import CacheConfig, SchedulerConfig
+from v1engine.core.scheduler import Scheduler
+from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.request import EngineCoreOutput, Request
+from v1engine.sampling_params import SamplingParams
+
+VOCAB_SIZE = 97
+EOS_TOKEN_ID = 2
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The fake model: deterministic in the whole sequence so far."""
+    return (31 * token_ids[-1] + 17 * len(token_ids) + 7) % VOCAB_SIZE
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = 4, num_groups: int = 1):
+    spec = FullAttentionSpec(block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    groups = [KVCacheGroupSpec([f"layers.{g}"], spec) for g in range(num_groups)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 128,
+    enable_prefix_caching: bool = True,
+    num_groups: int = 1,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_model_len, max_num_batched_tokens, max_num_seqs),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        make_kv_cache_config(num_blocks, block_size, num_groups),
+    )
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    max_model_len: int = 128,
+    eos_token_id: int | None = EOS_TOKEN_ID,
+    **sampling_kwargs,
+) -> Request:
+    sampling_kwargs.setdefault("max_tokens", 8)
+    return Request(
+        request_id,
+        prompt_token_ids,
+        SamplingParams(**sampling_kwargs),
+        eos_token_id=eos_token_id,
+        max_model_len=max_model_len,
+        arrival_time=0.0,
+    )
+
+
+def reference_output(request: Request, max_model_len: int) -> tuple[list[int], str]:
+    """What the request must generate, by the stop rules written out independently."""
+    params, tokens, outputs = request.sampling_params, list(request.prompt_token_ids), []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        outputs.append(token)
+        is_eos = token == request.eos_token_id and request.eos_token_id is not None
+        if (is_eos and not params.ignore_eos) or token in params.stop_token_ids:
+            return outputs, "stop"
+        max_tokens = params.max_tokens or max_model_len
+        if len(outputs) >= max_tokens or len(tokens) >= max_model_len:
+            return outputs, "length"
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+class FakeWorker:
+    def __init__(self, block_size: int, token_fn: Callable[[list[int]], int] = next_token):
+        self.block_size = block_size
+        self.token_fn = token_fn
+        self.requests: dict[str, _WorkerRequest] = {}
+        # (block id, slot in block) -> key of the token sequence whose last KV is stored there.
+        self.kv: dict[tuple[int, int], int] = {}
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        req_ids, sampled = [], []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            req_ids.append(req_id)
+            sampled.append(self._compute(self.requests[req_id], num_tokens))
+        return ModelRunnerOutput(req_ids, sampled)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            assert req_id in self.requests, "a preempted request keeps its worker state"
+        for new in scheduler_output.scheduled_new_reqs:
+            assert new.req_id not in self.requests, "a request is sent whole only once"
+            block_ids = [list(ids) for ids in new.block_ids]
+            state = _WorkerRequest(list(new.prompt_token_ids), block_ids, new.num_computed_tokens)
+            self.requests[new.req_id] = state
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.token_ids.extend(cached.new_token_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                assert new_block_ids is not None
+                state.block_ids = [list(ids) for ids in new_block_ids]
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+
+    def _compute(self, state: _WorkerRequest, num_tokens: int) -> list[int]:
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+        assert 0 < num_tokens and end <= len(state.token_ids), "scheduled past known tokens"
+        keys = _prefix_keys(state.token_ids[:end])
+        size = self.block_size
+        for block_ids in state.block_ids:
+            assert len(block_ids) * size >= end, "no slot for a scheduled token"
+            for pos in range(start, end):
+                self.kv[(block_ids[pos // size], pos % size)] = keys[pos]
+            # Attention reads every position up to the last: it must be this request's own KV.
+            for pos in range(end):
+                assert self.kv.get((block_ids[pos // size], pos % size)) == keys[pos], pos
+        if end < len(state.token_ids):
+            return []  # a partial prefill chunk samples nothing
+        return [self.token_fn(state.token_ids)]
+
+
+def _prefix_keys(token_ids: list[int]) -> list[int]:
+    keys, key = [], 0
+    for token_id in token_ids:
+        key = hash((key, token_id))
+        keys.append(key)
+    return keys
+
+
+def assert_worker_mirrors_scheduler(
+    scheduler: Scheduler, worker: FakeWorker, scheduler_output: SchedulerOutput
+) -> None:
+    """After the worker applied `scheduler_output`, its state equals the scheduler's."""
+    known = {r.request_id for r in scheduler.requests.values() if r.num_sent_tokens > 0}
+    assert set(worker.requests) == known
+    for req_id in scheduler_output.num_scheduled_tokens:
+        request, state = scheduler.requests[req_id], worker.requests[req_id]
+        assert state.token_ids == request.all_token_ids
+        assert state.block_ids == list(scheduler.kv_cache_manager.get_block_ids(req_id))
+        assert state.num_computed_tokens == request.num_computed_tokens
+
+
+def step(
+    scheduler: Scheduler, worker: FakeWorker
+) -> tuple[SchedulerOutput, dict[str, EngineCoreOutput]]:
+    """One engine step through the fake worker, checking the worker mirrors the scheduler."""
+    scheduler_output = scheduler.schedule()
+    model_runner_output = worker.execute_model(scheduler_output)
+    assert_worker_mirrors_scheduler(scheduler, worker, scheduler_output)
+    outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    return scheduler_output, {out.request_id: out for out in outputs.outputs}
+
+
+def run_to_completion(
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 500
+) -> dict[str, tuple[list[int], str | None]]:
+    """Steps to completion; returns every request's (output tokens, finish reason)."""
+    results: dict[str, tuple[list[int], str | None]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        _, outputs = step(scheduler, worker)
+        for req_id, out in outputs.items():
+            tokens = results.get(req_id, ([], None))[0] + out.new_token_ids
+            results[req_id] = (tokens, out.finish_reason and str(out.finish_reason))
+    assert not scheduler.has_unfinished_requests(), "did not finish"
+    return results
+
+
+def assert_all_free(scheduler: Scheduler, worker: FakeWorker) -> None:
+    """Every block is back, and the next SchedulerOutput lets the worker drop everything."""
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    assert all(block.ref_cnt == 0 for block in pool.blocks[1:])
+    assert scheduler.kv_cache_manager.req_to_blocks == {}
+    assert scheduler.make_stats().kv_cache_usage == 0.0
+    worker.execute_model(scheduler.schedule())
+    assert worker.requests == {}
+
+
+def make_worker(
+    scheduler: Scheduler, token_fn: Callable[[list[int]], int] = next_token
+) -> FakeWorker:
+    return FakeWorker(scheduler.kv_cache_manager.block_size, token_fn)

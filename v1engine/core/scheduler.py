@@ -1,0 +1,325 @@
+"""The token-budget scheduler: which requests compute how many tokens each step.
+
+There are no prefill and decode phases. Each request has `num_tokens` tokens known (prompt plus
+outputs) and `num_computed_tokens` already in the KV cache; a step gives requests some of the
+difference under one budget of `max_num_batched_tokens`. A decode is simply a request one token
+behind; a long prompt is chunked across steps because the budget runs out (chunked prefill).
+
+`schedule()` in three steps:
+1. RUNNING requests, oldest first, each min(tokens left, budget) tokens. When the pool cannot
+   hold a request's new tokens, the newest running request is preempted (blocks freed, back to
+   the front of the waiting queue, recomputed from scratch later) and the allocation retried; a
+   request may end up preempting itself.
+2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
+   head of the queue is never overtaken). Prefix-cache hits count as computed. Skipped in a step
+   that preempted: blocks just ran out.
+3. The `SchedulerOutput`: new requests whole, the others as diffs (see `v1engine.outputs`).
+
+`update_from_output()` then records what the step computed and sampled, and finishes requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from v1engine.config import CacheConfig, SchedulerConfig
+from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from v1engine.core.scheduler_stop import check_stop
+from v1engine.kv_cache_interface import KVCacheConfig
+from v1engine.logger import init_logger
+from v1engine.outputs import (
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from v1engine.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    Request,
+    RequestStatus,
+    SchedulerStats,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Blocks each scheduled request gained this step.
+    new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        assert request.request_id not in self.num_scheduled_tokens
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        # Every unfinished request, by id; each is in exactly one of `waiting` and `running`.
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # In admission order, so the last one is the newest (the one preempted first).
+        self.running: list[Request] = []
+        # Finished or aborted since the last SchedulerOutput: the workers drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queues a validated request (EngineCore.add_request checks user input)."""
+        assert request.request_id not in self.requests, f"duplicate {request.request_id!r}"
+        assert request.status == RequestStatus.WAITING and request.num_prompt_tokens > 0
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- schedule -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        return self._make_scheduler_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens, plan.token_budget
+            )
+            # A running request always has a token to compute: update_from_output appended the
+            # token its last step sampled, or its prompt is still being chunked in.
+            assert num_new_tokens > 0, request
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                return  # it preempted itself, and with it every request after it
+            plan.add(request, num_new_tokens, new_blocks)
+            index += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> KVCacheBlocks | None:
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            # Requests before `request` in `running` are already scheduled this step; the
+            # newest is at or after it, so preemption never undoes this step's decisions.
+            victim = self.running.pop()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        assert request.request_id not in plan.num_scheduled_tokens
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        plan.preempted_req_ids.add(request.request_id)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        manager = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
+            new_blocks = manager.allocate_slots(request, num_new_tokens, hit_blocks)
+            if new_blocks is None:
+                return  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.num_sent_tokens == 0:
+                request.num_cached_tokens = num_hit_tokens
+                plan.new_reqs.append(request)
+            else:
+                assert request.status == RequestStatus.PREEMPTED
+                plan.resumed_req_ids.add(request.request_id)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            # The manager's returned blocks exclude the hits; a new or resumed request is sent
+            # its whole table anyway.
+            plan.add(request, num_new_tokens, new_blocks)
+
+    def _make_scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [self._make_new_request_data(request) for request in plan.new_reqs]
+        cached = CachedRequestData()
+        for req_id in plan.num_scheduled_tokens:
+            request = self.requests[req_id]
+            if request.num_sent_tokens == 0:
+                continue  # in new_reqs
+            resumed = req_id in plan.resumed_req_ids
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_token_ids.append(request.all_token_ids[request.num_sent_tokens :])
+            if resumed:
+                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req_id))
+            else:
+                cached.new_block_ids.append(_block_ids_or_none(plan.new_blocks[req_id]))
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            request.num_sent_tokens = request.num_tokens
+        for request in plan.new_reqs:
+            request.num_sent_tokens = request.num_tokens
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=plan.preempted_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _make_new_request_data(self, request: Request) -> NewRequestData:
+        assert request.num_tokens == request.num_prompt_tokens
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    # ---- update ---------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Records the step: computed tokens, sampled tokens, stops. Returns what changed."""
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        logprobs = _logprobs_by_request(model_runner_output)
+        outputs = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted after it was scheduled
+            assert request.status == RequestStatus.RUNNING, request
+            request.num_computed_tokens += num_tokens
+            output = self._update_request(request, sampled.get(req_id, []), logprobs.get(req_id))
+            if output is not None:
+                outputs.append(output)
+        if any(request.is_finished() for request in self.running):
+            self.running = [request for request in self.running if not request.is_finished()]
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _update_request(
+        self, request: Request, sampled: list[int], logprobs: LogprobsLists | None
+    ) -> EngineCoreOutput | None:
+        # Workers sample only at the end of the known tokens; a partial prefill samples none.
+        assert not sampled or request.num_computed_tokens == request.num_tokens, request
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids([token_id])
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                break
+        if not new_token_ids:
+            return None
+        if request.is_finished():
+            self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=request.get_finish_reason(),
+            stop_reason=request.stop_reason,
+            new_logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finishes requests from outside the step (abort). Unknown or finished ids are ignored:
+        an abort may race with the request's own completion."""
+        assert status.is_finished(), status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- maintenance and stats ------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        prefix_stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_prefix_cache_query_tokens=prefix_stats.num_query_tokens,
+            num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _block_ids_or_none(blocks: KVCacheBlocks) -> tuple[list[int], ...] | None:
+    if not any(blocks):
+        return None
+    return tuple([block.block_id for block in group] for group in blocks)
+
+
+def _logprobs_by_request(output: ModelRunnerOutput) -> dict[str, LogprobsLists]:
+    """Splits the step's logprobs into one single-row LogprobsLists per sampling request."""
+    lists = output.logprobs
+    if lists is None:
+        return {}
+    sampling_req_ids = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids) if tokens]
+    return {
+        req_id: LogprobsLists(
+            token_ids=[lists.token_ids[row]],
+            logprobs=[lists.logprobs[row]],
+            sampled_token_ranks=[lists.sampled_token_ranks[row]],
+        )
+        for row, req_id in enumerate(sampling_req_ids)
+    }

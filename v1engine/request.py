@@ -1,0 +1,185 @@
+"""Requests as the client sends them, as the scheduler tracks them, and what the core sends back.
+
+`EngineCoreRequest`, `EngineCoreOutput(s)` and `SchedulerStats` cross the ZeroMQ socket between
+the client and the engine process, so they are `msgspec.Struct`s (msgpack, never pickle).
+`Request` is the scheduler's own mutable record and never leaves the engine process.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from v1engine.outputs import LogprobsLists
+from v1engine.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One generation request, already tokenized; validated by `EngineCore.add_request`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = msgspec.field(default_factory=time.time)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped, spelled as in the OpenAI API and vLLM."""
+
+    STOP = "stop"  # EOS or one of stop_token_ids
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client cancelled it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Blocks freed by the scheduler; recomputed from scratch when scheduled again.
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """The scheduler's record of one request.
+
+    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `num_computed_tokens <= num_tokens` counts the leading tokens whose KV is in the cache (the
+    scheduler advances it in `update_from_output`, after the step ran; preemption resets it);
+    `num_sent_tokens` counts the leading tokens the workers already hold (0: never sent, so the
+    next schedule sends the request whole as a `NewRequestData`, else as a diff).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache the first time the request was scheduled.
+        self.num_cached_tokens = 0
+        self.num_sent_tokens = 0
+        # The stop token id when stopped by `stop_token_ids` (EOS leaves it None).
+        self.stop_reason: int | None = None
+        # Hash of each FULL block of all_token_ids, filled in by the KVCacheManager.
+        self.block_hashes: list[bytes] = []
+        self.max_tokens = _resolve_max_tokens(
+            sampling_params.max_tokens, len(self.prompt_token_ids), max_model_len
+        )
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest, max_model_len: int) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            max_model_len=max_model_len,
+            arrival_time=request.arrival_time,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason()
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )
+
+
+def _resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    # The room left in the context; at least 1 because the prefill step always samples a token
+    # (a prompt of exactly max_model_len tokens gets one output token, never computed into KV).
+    room = max(max_model_len - num_prompt_tokens, 1)
+    return room if max_tokens is None else min(max_tokens, room)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request produced in one step: its new tokens and, once, why it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    # One row per token in new_token_ids (same layout as ModelRunnerOutput.logprobs).
+    new_logprobs: LogprobsLists | None = None
+    # Prompt tokens served from the prefix cache (the OpenAI usage `cached_tokens`).
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A snapshot of the scheduler; the prefix-cache and preemption counts are cumulative."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the usable blocks held by requests
+    num_prefix_cache_query_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.num_prefix_cache_query_tokens == 0:
+            return 0.0
+        return self.num_prefix_cache_hit_tokens / self.num_prefix_cache_query_tokens
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
