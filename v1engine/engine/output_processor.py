@@ -68,7 +68,7 @@ class RequestState:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         output_kind: OutputKind,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         parent: ParentState | None = None,
         index: int = 0,
     ) -> None:
@@ -80,7 +80,10 @@ class RequestState:
         self.index = index
         self.stop = sampling_params.stop
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        # No tokenizer (skip_tokenizer_init): token ids only, and the text stays empty.
+        self.detokenizer = (
+            None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        )
         self.output_text = ""
         self.num_visible_chars = 0  # output_text[:num_visible_chars] may be shown to the client
         self.num_sent_chars = 0  # delta mode: what the client has already been sent
@@ -109,7 +112,9 @@ class RequestState:
         if core_reason == "stop" and not self.include_stop_str_in_output and text_token_ids:
             # EOS or a stop token id: the token stays in token_ids but not in the text (as vLLM).
             text_token_ids = text_token_ids[:-1]
-        delta = self.detokenizer.update(text_token_ids, finished=core_reason is not None)
+        delta = ""
+        if self.detokenizer is not None:
+            delta = self.detokenizer.update(text_token_ids, finished=core_reason is not None)
         self.output_text += delta
         if self._check_stop_strings(len(delta)):
             return core_reason is None
@@ -221,7 +226,7 @@ class OutputProcessor:
     was one step ahead) are ignored.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parent_states: dict[str, ParentState] = {}
@@ -336,7 +341,9 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def _decode_token(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self._token_text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])

@@ -1,0 +1,166 @@
+"""LLM.generate end to end (real worker processes, real weights) against transformers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.model.checkpoints import load_hf_model, make_checkpoint
+from v1engine.entrypoints.llm import LLM
+from v1engine.request import EngineCoreRequest
+from v1engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 22, 7], [3, 4], list(range(10, 47)), [8] * 20, [2, 60, 61, 62, 63, 64, 65]]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def make_llm(checkpoint: str, **kwargs) -> LLM:
+    args = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22)
+    args.update(kwargs)
+    return LLM(checkpoint, skip_tokenizer_init=True, **args)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
+    return pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return load_hf_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def llm_tp2(checkpoint):
+    llm = make_llm(checkpoint, tensor_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm_tp1(checkpoint):
+    llm = make_llm(checkpoint, tensor_parallel_size=1)
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_tokens_equal_transformers_at_tp1_and_tp2(llm_tp1, llm_tp2, hf_model):
+    expected = hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
+    for llm in (llm_tp1, llm_tp2):
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_other_architectures_equal_transformers(tmp_path, arch):
+    checkpoint = make_checkpoint(tmp_path, arch)
+    with make_llm(checkpoint, tensor_parallel_size=2) as llm:
+        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert got == hf_greedy(load_hf_model(checkpoint), PROMPTS, GREEDY.max_tokens)
+
+
+def test_preemption_and_chunked_prefill_keep_tokens_exact(checkpoint, hf_model):
+    # 14 usable blocks of 4 tokens cannot hold five requests at once, so the scheduler must
+    # preempt and recompute; a 16-token budget chunks the 37-token prompt.
+    with make_llm(
+        checkpoint,
+        tensor_parallel_size=2,
+        block_size=4,
+        num_gpu_blocks_override=15,
+        max_model_len=56,
+        max_num_batched_tokens=16,
+    ) as llm:
+        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        stats = llm.engine_core.scheduler.make_stats()
+        assert stats.num_preemptions > 0
+        assert all_blocks_free(llm)
+    assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
+
+
+def test_prefix_cache_computes_only_new_tokens(llm_tp1, hf_model):
+    prefix = [random.Random(0).randrange(3, 130) for _ in range(64)]
+    first = llm_tp1.generate([prefix + [5]], GREEDY, use_tqdm=False)[0]
+    second = llm_tp1.generate([prefix + [6, 7]], GREEDY, use_tqdm=False)[0]
+    # 64 prefix tokens = 4 full blocks of 16 were cached by the first request.
+    assert second.num_cached_tokens == 64
+    assert [second.outputs[0].token_ids] == hf_greedy(hf_model, [prefix + [6, 7]], 12)
+    assert first.outputs[0].token_ids == hf_greedy(hf_model, [prefix + [5]], 12)[0]
+    assert llm_tp1.engine_core.reset_prefix_cache()
+    again = llm_tp1.generate([prefix + [6, 7]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_tp(llm_tp1, llm_tp2):
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=7, temperature=0.8, seed=7, ignore_eos=True)
+    alone = token_ids(llm_tp1.generate([PROMPTS[0]], seeded, use_tqdm=False))[0]
+    in_batch = token_ids(
+        llm_tp1.generate(PROMPTS[2:] + [PROMPTS[0]], [other] * 3 + [seeded], use_tqdm=False)
+    )[-1]
+    on_tp2 = token_ids(llm_tp2.generate([PROMPTS[1], PROMPTS[0]], seeded, use_tqdm=False))[1]
+    assert alone == in_batch == on_tp2
+
+
+def test_abort_frees_every_block(llm_tp2):
+    core = llm_tp2.engine_core
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(EngineCoreRequest(f"abort-{i}", prompt, GREEDY))
+    core.step()
+    core.step()
+    core.abort_requests([f"abort-{i}" for i in range(len(PROMPTS))])
+    assert not core.has_unfinished_requests()
+    core.step()  # tells the workers to drop the aborted requests
+    assert all_blocks_free(llm_tp2)
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, match",
+    [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=list(range(3, 131))), "max_model_len"),
+        (dict(prompt_token_ids=[1, 99999]), "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_are_rejected_and_change_nothing(llm_tp1, request_kwargs, match):
+    core = llm_tp1.engine_core
+    request = EngineCoreRequest("bad", sampling_params=GREEDY, **request_kwargs)
+    with pytest.raises(ValueError, match=match):
+        core.add_request(request)
+    assert not core.has_unfinished_requests()
+    assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
+
+
+def test_invalid_sampling_values_name_the_field():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_n_greater_than_one_returns_n_completions(llm_tp1):
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    (output,) = llm_tp1.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 for c in output.outputs)

@@ -1,0 +1,72 @@
+"""Bad models and configs fail with a clear error, before or during worker start-up, and leave
+no process, shared memory or ipc directory behind (the autouse leak check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.model.checkpoints import make_checkpoint
+from tests.worker.worker_utils import make_engine_config
+from v1engine.executor.multiproc_executor import MultiprocExecutor
+from v1engine.executor.uniproc_executor import UniProcExecutor
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("bad_input")
+
+
+def _start_fails(config, match: str) -> str:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=match) as info:
+        MultiprocExecutor(config)
+    assert time.monotonic() - start < 60
+    return str(info.value)
+
+
+def test_unknown_architecture_names_the_supported_ones(root):
+    path = make_checkpoint(root, "llama", name="unknown_arch")
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    hf_config["architectures"] = ["FancyNewForCausalLM"]
+    with open(config_path, "w") as f:
+        json.dump(hf_config, f)
+    text = _start_fails(make_engine_config(path, 1), "worker rank 0")
+    assert "'FancyNewForCausalLM' is not supported" in text
+    assert "LlamaForCausalLM" in text and "Qwen3ForCausalLM" in text
+
+
+def test_heads_not_divisible_by_tensor_parallel_size(root):
+    path = make_checkpoint(root, "llama", name="four_heads")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not fit") as info:
+        make_engine_config(path, 3)
+    assert "num_attention_heads=4" in str(info.value) and "[1, 2" in str(info.value)
+
+
+def test_missing_weight_file_carries_the_worker_traceback(root):
+    path = make_checkpoint(root, "llama", name="no_weights")
+    os.remove(os.path.join(path, "model.safetensors"))
+    text = _start_fails(make_engine_config(path, 2), "failed to start")
+    assert "no model.safetensors" in text and "Traceback" in text
+
+
+def test_missing_shard_is_named(root):
+    path = make_checkpoint(root, "llama", name="sharded", max_shard_size="40KB")
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert len(shards) > 1
+    os.remove(os.path.join(path, shards[-1]))
+    text = _start_fails(make_engine_config(path, 1), "failed to start")
+    assert shards[-1] in text and "incomplete" in text
+
+
+def test_builtin_worker_refuses_model_none():
+    config = make_engine_config(None, 2)
+    text = _start_fails(config, "failed to start")
+    assert "needs a model" in text and "worker_cls" in text
+    with pytest.raises(ValueError, match="needs a model"):
+        UniProcExecutor(make_engine_config(None))

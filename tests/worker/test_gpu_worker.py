@@ -1,0 +1,83 @@
+"""The CUDA path of the worker: device placement, NCCL, memory profiling and parity on a GPU.
+Skipped without CUDA (see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.checkpoints import load_hf_model, make_checkpoint
+from tests.worker.worker_utils import (
+    check_parity_with_hf,
+    executor_step,
+    make_engine_config,
+    make_scheduler,
+    memory_profile,
+    mixed_scenario,
+    run_kv_cache_handshake,
+    run_requests,
+)
+from v1engine.executor.multiproc_executor import MultiprocExecutor
+
+pytestmark = pytest.mark.gpu
+
+# GPU float32 matmuls may use TF32-like reductions and a different summation order.
+GPU_ATOL = 2e-3
+
+
+def placement(worker) -> dict:
+    import torch.distributed as dist
+
+    runner = worker.model_runner
+    key, _ = next(iter(runner.kv_caches.values()))
+    return {
+        "device": str(worker.device),
+        "param_device": str(next(runner.model.parameters()).device),
+        "kv_device": str(key.device),
+        "backend": dist.get_backend(),
+    }
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("gpu"), "llama")
+
+
+def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
+    config = make_engine_config(llama_path, device="cuda", kv_cache_memory_bytes=16 << 20)
+    executor = MultiprocExecutor(config)
+    try:
+        kv_cache_config = run_kv_cache_handshake(executor)[0]
+        [where] = executor.collective_rpc(placement)
+        hf_model = load_hf_model(llama_path)
+        requests, arrivals, preempt, pause = mixed_scenario(hf_model.config.vocab_size)
+        scheduler = make_scheduler(kv_cache_config)
+        run_requests(scheduler, executor_step(executor), arrivals, preempt, pause)
+    finally:
+        executor.shutdown()
+    assert where == {
+        "device": "cuda:0",
+        "param_device": "cuda:0",
+        "kv_device": "cuda:0",
+        "backend": "nccl",
+    }
+    for request in requests:
+        request.logits = [logits.cpu() for logits in request.logits]
+    check_parity_with_hf(hf_model, requests, GPU_ATOL)
+
+
+def test_cuda_memory_profile(llama_path):
+    config = make_engine_config(
+        llama_path, device="cuda", kv_cache_memory_bytes=None, gpu_memory_utilization=0.5
+    )
+    executor = MultiprocExecutor(config)
+    try:
+        [available] = executor.determine_available_memory()
+        [profile] = executor.collective_rpc(memory_profile)
+    finally:
+        executor.shutdown()
+    total = torch.cuda.mem_get_info(0)[1]
+    assert profile.total_bytes == total
+    assert profile.budget_bytes == int(total * 0.5)
+    assert profile.weights_bytes > 0 and profile.activation_peak_bytes > 0
+    assert 0 < available == profile.available_kv_bytes < profile.budget_bytes

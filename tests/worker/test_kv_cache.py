@@ -1,0 +1,163 @@
+"""KV cache allocation and memory sizing on CPU workers.
+
+The caches must have exactly the layout the unified `KVCacheConfig` describes, cost the process
+about the bytes promised (zero-filling commits the pages), and scale with
+`kv_cache_memory_bytes`; without it, the CPU budget is a fair share of the host's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tests.model.checkpoints import make_checkpoint
+from tests.worker.toy_scheduler import ToyRequest
+from tests.worker.worker_utils import (
+    executor_step,
+    kv_cache_layout,
+    make_engine_config,
+    make_prompts,
+    make_scheduler,
+    memory_profile,
+    rss_bytes,
+    run_kv_cache_handshake,
+    run_requests,
+    worker_threads,
+)
+from v1engine.core.kv_cache_utils import get_kv_cache_configs
+from v1engine.executor.multiproc_executor import MultiprocExecutor
+from v1engine.executor.uniproc_executor import UniProcExecutor
+from v1engine.worker.memory import host_memory_bytes
+
+KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("kv_cache"), "qwen2_hybrid")
+
+
+@pytest.fixture(scope="module")
+def hybrid_tp2(hybrid_path):
+    """A TP=2 hybrid model (two KV cache groups sharing one tensor), with RSS measured around
+    initialize_from_config: (executor, configs, rss_before, rss_after)."""
+    executor = MultiprocExecutor(make_engine_config(hybrid_path, 2, kv_cache_memory_bytes=KV_BYTES))
+    try:
+        config = executor.config
+        specs = executor.get_kv_cache_specs()
+        available = executor.determine_available_memory()
+        configs = get_kv_cache_configs(
+            config.cache_config, config.scheduler_config, specs, available
+        )
+        rss_before = executor.collective_rpc(rss_bytes)
+        executor.initialize_from_config(configs)
+        rss_after = executor.collective_rpc(rss_bytes)
+        yield executor, configs, rss_before, rss_after
+    finally:
+        executor.shutdown()
+
+
+def test_kv_caches_have_the_configured_layout(hybrid_tp2):
+    executor, configs, _, _ = hybrid_tp2
+    layouts = executor.collective_rpc(kv_cache_layout)
+    for config, layout in zip(configs, layouts):
+        assert len(config.kv_cache_groups) == 2  # full attention + sliding window
+        group_spec = {
+            name: group.kv_cache_spec
+            for group in config.kv_cache_groups
+            for name in group.layer_names
+        }
+        assert sorted(layout) == sorted(group_spec)
+        for tensor in config.kv_cache_tensors:
+            key_ptrs = set()
+            for name in tensor.shared_by:
+                spec = group_spec[name]
+                key_shape, value_shape, dtype, key_ptr, value_ptr, is_bound = layout[name]
+                expected = (config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+                assert key_shape == value_shape == expected
+                assert dtype == spec.dtype == torch.float32
+                assert spec.num_kv_heads == 1  # 2 KV heads split over 2 ranks
+                # K is the first half of the tensor's bytes, V the second.
+                assert value_ptr - key_ptr == tensor.size // 2
+                assert is_bound
+                key_ptrs.add(key_ptr)
+            assert len(key_ptrs) == 1, "layers sharing a KVCacheTensor must view one buffer"
+
+
+def test_rss_grows_by_the_promised_bytes(hybrid_tp2):
+    _, configs, rss_before, rss_after = hybrid_tp2
+    for config, before, after in zip(configs, rss_before, rss_after):
+        promised = sum(tensor.size for tensor in config.kv_cache_tensors)
+        assert promised > 0.99 * KV_BYTES
+        growth = after - before
+        # Zero-filling commits every page; the warm-up adds a little on top.
+        assert 0.95 * promised <= growth <= promised + (24 << 20), (growth, promised)
+
+
+def test_cpu_workers_get_disjoint_cores_and_a_fair_memory_share(hybrid_tp2):
+    executor, _, _, _ = hybrid_tp2
+    num_cpus = len(os.sched_getaffinity(0))
+    threads = executor.collective_rpc(worker_threads)
+    for num_threads, _, device in threads:
+        assert device == "cpu"
+        assert num_threads == max(1, num_cpus // 2)
+    if num_cpus >= 2:
+        assert not set(threads[0][1]) & set(threads[1][1])
+    for profile in executor.collective_rpc(memory_profile):
+        assert profile.total_bytes == host_memory_bytes()
+        assert profile.budget_bytes == int(profile.total_bytes * 0.9 / 2)
+        assert profile.weights_bytes > 0 and profile.activation_peak_bytes >= 0
+        assert 0 <= profile.available_kv_bytes <= profile.budget_bytes - profile.weights_bytes
+
+
+def _num_blocks(path: str, kv_cache_memory_bytes: int) -> int:
+    executor = UniProcExecutor(
+        make_engine_config(path, kv_cache_memory_bytes=kv_cache_memory_bytes)
+    )
+    try:
+        assert executor.determine_available_memory() == [kv_cache_memory_bytes]
+        return run_kv_cache_handshake(executor)[0].num_blocks
+    finally:
+        executor.shutdown()
+
+
+def test_smaller_kv_cache_memory_bytes_gives_proportionally_fewer_blocks(hybrid_path):
+    large = _num_blocks(hybrid_path, 8 << 20)
+    small = _num_blocks(hybrid_path, 2 << 20)
+    assert large == 4 * small
+
+
+def test_available_memory_without_override_is_measured(hybrid_path):
+    config = make_engine_config(hybrid_path, kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+    executor = UniProcExecutor(config)
+    try:
+        [available] = executor.determine_available_memory()
+        [profile] = executor.collective_rpc(memory_profile)
+    finally:
+        executor.shutdown()
+    assert available == profile.available_kv_bytes > 0
+    assert profile.budget_bytes == int(host_memory_bytes() * 0.5)
+    # RSS before profiling covers at least the interpreter, torch and the weights.
+    assert profile.non_torch_bytes > 50 << 20
+
+
+def test_bfloat16_kv_cache_with_float32_model(hybrid_path):
+    config = make_engine_config(hybrid_path)
+    config = dataclasses.replace(
+        config, cache_config=dataclasses.replace(config.cache_config, cache_dtype="bfloat16")
+    )
+    executor = UniProcExecutor(config)
+    try:
+        [specs] = executor.get_kv_cache_specs()
+        assert {spec.dtype for spec in specs.values()} == {torch.bfloat16}
+        kv_config = run_kv_cache_handshake(executor)[0]
+        [layout] = executor.collective_rpc(kv_cache_layout)
+        assert {entry[2] for entry in layout.values()} == {torch.bfloat16}
+        request = ToyRequest("bf16", make_prompts(131, [9])[0])
+        run_requests(make_scheduler(kv_config), executor_step(executor), {0: [request]})
+    finally:
+        executor.shutdown()
+    assert len(request.output) == 5

@@ -1,0 +1,159 @@
+"""EngineCore: the executor, the scheduler and the KV cache they share, driven one step at a time.
+
+Start-up is the handshake of DESIGN §3, one method per step (`_initialize_kv_caches`): every
+worker reports its KV cache specs and spare bytes, the core turns them into one KVCacheConfig per
+worker with a common block count, and the workers allocate their caches and warm up. Then each
+`step()` schedules a token budget, runs the model once on every worker and turns rank 0's
+sampled tokens into per-request outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from v1engine.config import EngineConfig
+from v1engine.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
+from v1engine.core.scheduler import Scheduler
+from v1engine.executor.abstract import Executor
+from v1engine.kv_cache_interface import KVCacheConfig
+from v1engine.logger import init_logger
+from v1engine.outputs import ModelRunnerOutput
+from v1engine.request import EngineCoreOutputs, EngineCoreRequest, Request, RequestStatus
+
+logger = init_logger(__name__)
+
+_GIB = 1 << 30
+
+
+class EngineCore:
+    """Args:
+        config: the engine configuration; `parallel_config` picks the executor and worker class.
+
+    Raises:
+        RuntimeError / ValueError: a worker failed to start, or the KV cache does not fit (the
+            message says which knob to turn). No worker process is left running.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.executor = Executor.get_class(config)(config)
+        self._startup_s = {"start workers and load weights": time.perf_counter() - start}
+        try:
+            kv_cache_config = self._initialize_kv_caches()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, kv_cache_config)
+        hf_config = config.model_config.hf_config
+        self.vocab_size: int | None = getattr(hf_config, "vocab_size", None)
+        logger.info(
+            "Engine ready in %.2f s (%s)",
+            sum(self._startup_s.values()),
+            ", ".join(f"{name}: {s:.2f} s" for name, s in self._startup_s.items()),
+        )
+
+    # -- start-up ------------------------------------------------------------------------------
+    def _initialize_kv_caches(self) -> KVCacheConfig:
+        specs = self._timed("get KV cache specs", self.executor.get_kv_cache_specs)
+        available = self._timed("profile memory", self.executor.determine_available_memory)
+        configs = get_kv_cache_configs(
+            self.config.cache_config, self.config.scheduler_config, specs, available
+        )
+        self._timed("allocate KV caches and warm up", self.executor.initialize_from_config, configs)
+        self._log_kv_cache(configs[0], available)
+        return configs[0]
+
+    def _timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args)
+        self._startup_s[name] = time.perf_counter() - start
+        return result
+
+    def _log_kv_cache(self, kv_cache_config: KVCacheConfig, available: list[int]) -> None:
+        scheduler_config = self.config.scheduler_config
+        num_tokens, concurrency = get_kv_cache_capacity(scheduler_config, kv_cache_config)
+        kv_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.3f GiB per worker (workers could spare %s GiB), "
+            "%d tokens; maximum concurrency for %d-token requests: %.2fx",
+            kv_cache_config.num_blocks,
+            self.config.cache_config.block_size,
+            kv_bytes / _GIB,
+            ", ".join(f"{a / _GIB:.3f}" for a in available),
+            num_tokens,
+            scheduler_config.max_model_len,
+            concurrency,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request. Raises ValueError (and changes nothing) when it cannot be served."""
+        self._validate(request)
+        max_model_len = self.config.scheduler_config.max_model_len
+        self.scheduler.add_request(Request.from_engine_core_request(request, max_model_len))
+
+    def _validate(self, request: EngineCoreRequest) -> None:
+        prompt = request.prompt_token_ids
+        max_model_len = self.config.scheduler_config.max_model_len
+        if not prompt:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if len(prompt) >= max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: the prompt has {len(prompt)} tokens but "
+                f"max_model_len is {max_model_len}, leaving no room for output; shorten the "
+                "prompt or raise max_model_len"
+            )
+        if self.vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {request.request_id!r}: token ids {bad[:5]} are outside the "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        # Decoded from msgpack, the params skipped their constructor's checks: run them now.
+        request.sampling_params.__post_init__()
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- stepping ------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedules one token budget, runs it on every worker, returns the new tokens."""
+        scheduler_output = self.scheduler.schedule()
+        has_work = scheduler_output.total_num_scheduled_tokens > 0
+        # Workers must hear about finished and preempted requests even in an idle step, or
+        # they would keep those requests' state forever.
+        if not has_work and not (
+            scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
+        ):
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        model_output = self.executor.execute_model(scheduler_output)
+        if model_output is None or not has_work:
+            model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    # -- control -------------------------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        return self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (and nothing done) while requests run."""
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

