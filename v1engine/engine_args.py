@@ -84,8 +84,9 @@ class EngineArgs:
             device_config=DeviceConfig(device=self.device),
         )
         if hf_config is not None:
-            from v1engine.model.hf_config import check_tensor_parallel_shape
+            from v1engine.model.hf_config import check_tensor_parallel_shape, get_architecture
 
+            get_architecture(hf_config)  # an unsupported architecture fails here, in-process
             check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
         return config
 

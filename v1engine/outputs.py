@@ -56,7 +56,11 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Per sampled token: [sampled token, top-k tokens...] ids and logprobs, and its rank."""
+    """Per sampled token: [sampled token, top-k tokens...] ids and logprobs, and its rank.
+
+    In one step every row has 1 + k columns, k being the most logprobs any request of the batch
+    asked for; consumers keep the first 1 + (their own k) columns.
+    """
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]

@@ -61,8 +61,6 @@ def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
         "kv_device": "cuda:0",
         "backend": "nccl",
     }
-    for request in requests:
-        request.logits = [logits.cpu() for logits in request.logits]
     check_parity_with_hf(hf_model, requests, GPU_ATOL)
 
 

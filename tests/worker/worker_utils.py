@@ -61,13 +61,14 @@ def make_scheduler(kv_cache_config: KVCacheConfig, token_budget: int = 10) -> To
 def execute_with_logits(
     worker: Any, scheduler_output: SchedulerOutput
 ) -> tuple[ModelRunnerOutput | None, torch.Tensor | None]:
-    """`execute_model`, plus the logits the sampler saw ([num_sampled, vocab] or None)."""
+    """`execute_model`, plus the logits the sampler saw ([num_sampled, vocab] on the CPU, or
+    None when nothing sampled)."""
     model = worker.model_runner.model
     recorded: list[torch.Tensor] = []
 
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
         logits = type(model).compute_logits(model, hidden)
-        recorded.append(logits.clone())
+        recorded.append(logits.cpu().clone())
         return logits
 
     model.compute_logits = compute_logits

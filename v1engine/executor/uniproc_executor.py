@@ -28,8 +28,12 @@ class UniProcExecutor(Executor):
             distributed_init_method=init_method,
             is_driver_worker=True,
         )
-        self.worker.init_device()
-        self.worker.load_model()
+        try:
+            self.worker.init_device()
+            self.worker.load_model()
+        except BaseException:
+            self.worker.shutdown()
+            raise
         self._is_shut_down = False
 
     def collective_rpc(

@@ -33,7 +33,7 @@ from v1engine.kv_cache_interface import (
 from v1engine.logger import info_once, init_logger
 from v1engine.model.forward_context import set_forward_context
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
-from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.attention import Attention, get_attention_layers
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
 from v1engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -71,7 +71,7 @@ class GPUModelRunner:
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.vocab_size: int = hf_config.vocab_size
         self.model: torch.nn.Module | None = None
-        self.attn_layers: dict = {}
+        self.attn_layers: dict[str, Attention] = {}
         self.weights_bytes = 0
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -117,7 +117,6 @@ class GPUModelRunner:
         base, extra = divmod(num_tokens, num_reqs)
         return [base + (1 if i < extra else 0) for i in range(num_reqs)]
 
-    @torch.inference_mode()
     def profile_run(self) -> None:
         """The largest step the scheduler may send, without KV cache: a forward over
         `max_num_batched_tokens` tokens in `max_num_seqs` requests, then the sampler with every

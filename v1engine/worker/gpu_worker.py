@@ -25,6 +25,9 @@ from v1engine.worker.worker_base import WorkerBase
 
 logger = init_logger(__name__)
 
+# Per worker, when kv_cache_memory_bytes is unset (see determine_available_memory).
+CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+
 
 class Worker(WorkerBase):
     """The built-in worker: runs `config.model_config.model` on `cuda:{local_rank}` or the CPU.
@@ -111,6 +114,17 @@ class Worker(WorkerBase):
                 profile.available_kv_bytes,
             )
             return cache_config.kv_cache_memory_bytes
+        if self.device.type == "cpu" and profile.available_kv_bytes > CPU_DEFAULT_KV_CACHE_BYTES:
+            # Zero-filling most of the host's RAM takes minutes and starves everything else;
+            # like vLLM's CPU backend, default to a fixed KV space and let users ask for more.
+            info_once(
+                logger,
+                "CPU KV cache capped at %.1f GiB of the %.1f GiB measured; set "
+                "kv_cache_memory_bytes to use more",
+                CPU_DEFAULT_KV_CACHE_BYTES / (1 << 30),
+                profile.available_kv_bytes / (1 << 30),
+            )
+            return CPU_DEFAULT_KV_CACHE_BYTES
         return profile.available_kv_bytes
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:

@@ -1,0 +1,388 @@
+"""EngineCoreClient: how a front end drives an EngineCore, in this process or in its own.
+
+    client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=False)
+    client.add_request(request)          # ValueError at once for bad input; nothing is sent
+    outputs = client.get_output(timeout)  # EngineCoreOutputs of one step
+    client.collective_rpc("get_pid")
+    client.shutdown()                     # idempotent; also runs at interpreter exit
+
+`InprocClient` wraps an EngineCore directly: `get_output()` runs one step. `SyncMPClient` and
+`AsyncMPClient` run it in an `EngineCoreProc` and talk the protocol of protocol.py; the asyncio
+client offers the same methods as coroutines (`shutdown()` stays synchronous), reading outputs in
+event-loop callbacks. When the core process or a worker dies, every pending and later call raises
+EngineDeadError, with the reason, within about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import queue
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import zmq
+
+from v1engine.config import EngineConfig
+from v1engine.core.background_resources import BackgroundResources
+from v1engine.core.engine_core import EngineCore
+from v1engine.core.output_handler import (
+    DEAD,
+    EngineDeadError,
+    OutputHandler,
+    read_outputs_in_loop,
+    read_outputs_until_exit,
+)
+from v1engine.core.protocol import (
+    EngineCoreRequestType,
+    UtilityCall,
+    check_request,
+    collective_rpc_kwargs,
+    encode,
+)
+from v1engine.executor.errors import WorkerDiedError
+from v1engine.request import EngineCoreOutputs, EngineCoreRequest
+
+__all__ = [
+    "AsyncMPClient",
+    "EngineCoreClient",
+    "EngineDeadError",
+    "InprocClient",
+    "SyncMPClient",
+]
+
+_SEND_RETRY_S = 1.0  # a send that finds no reader waits this long for the core to reconnect
+_SEND_RETRY_SLICE_S = 0.01
+
+
+class EngineCoreClient(ABC):
+    """The front end's handle on an EngineCore. Sync clients offer `add_request(request)`,
+    `abort_requests(ids)`, `get_output(timeout) -> EngineCoreOutputs`, `collective_rpc(...)`,
+    `reset_prefix_cache() -> bool` and `shutdown()`; AsyncMPClient the same as coroutines.
+
+    Raises (every call):
+        EngineDeadError: the engine core or one of its workers died, or the client was shut down.
+    """
+
+    @staticmethod
+    def make_client(
+        config: EngineConfig, multiprocess: bool, asyncio_mode: bool
+    ) -> InprocClient | SyncMPClient | AsyncMPClient:
+        """InprocClient, SyncMPClient or AsyncMPClient, as the flags say."""
+        if asyncio_mode and not multiprocess:
+            raise ValueError(
+                "asyncio_mode needs multiprocess=True: an in-process engine core would block "
+                "the event loop for every step"
+            )
+        if asyncio_mode:
+            return AsyncMPClient(config)
+        if multiprocess:
+            return SyncMPClient(config)
+        return InprocClient(config)
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the engine core and its workers; idempotent."""
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class InprocClient(EngineCoreClient):
+    """The EngineCore in this process (workers are still processes with the mp executor)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
+        self._dead_reason: str | None = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        with self._guard():
+            self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        with self._guard():
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """Runs one step; `timeout` is ignored (the step runs in this thread)."""
+        with self._guard():
+            return self.engine_core.step()
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        with self._guard():
+            return self.engine_core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+
+    def reset_prefix_cache(self) -> bool:
+        with self._guard():
+            return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        if self._dead_reason is None:
+            self._dead_reason = "the engine core client was shut down"
+        self.engine_core.shutdown()
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        try:
+            yield
+        except WorkerDiedError as e:
+            self._dead_reason = str(e)
+            raise EngineDeadError(str(e)) from e
+
+
+class MPClient(EngineCoreClient):
+    """What the sync and asyncio clients share: the core process, request checks, call ids.
+
+    Args:
+        config: the engine configuration, passed to the spawned core process.
+        put_output: how the output handler queues outputs (and the DEAD marker).
+
+    Raises:
+        ValueError / RuntimeError: the engine core failed to start (with its traceback); nothing
+            is left running.
+    """
+
+    def __init__(self, config: EngineConfig, put_output: Callable[[Any], None]) -> None:
+        self.resources = BackgroundResources()
+        self._finalizer = weakref.finalize(self, self.resources.close)
+        try:
+            self.info = self.resources.start(config)
+        except BaseException:
+            self._finalizer()
+            raise
+        # At exit, multiprocessing joins non-daemon children (the core) in a hook it registered
+        # when first imported; hooks run last-in first-out, so this one stops the core first.
+        atexit.register(self._finalizer)
+        self.handler = OutputHandler(put_output)
+        self._call_ids = itertools.count()
+
+    @property
+    def core_pid(self) -> int:
+        return self.info.pid
+
+    def shutdown(self) -> None:
+        self.handler.set_dead("the engine core client was shut down")
+        self._close()
+
+    def _close(self) -> None:
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+    # -- encoding ------------------------------------------------------------------------------
+    def _add_frames(self, request: EngineCoreRequest) -> list[bytes]:
+        handler = self.handler
+        with handler.lock:
+            handler.raise_if_dead()
+            check_request(request, self.info, handler.live_request_ids)
+            handler.live_request_ids.add(request.request_id)
+        try:
+            return encode(EngineCoreRequestType.ADD, request)
+        except TypeError as e:
+            with handler.lock:
+                handler.live_request_ids.discard(request.request_id)
+            raise ValueError(f"request {request.request_id!r} cannot be encoded: {e}") from e
+
+    def _abort_frames(self, request_ids: Iterable[str]) -> list[bytes]:
+        request_ids = list(request_ids)
+        if not all(isinstance(r, str) for r in request_ids):
+            raise ValueError(f"request ids must be str, got {request_ids!r}")
+        with self.handler.lock:
+            self.handler.raise_if_dead()
+            self.handler.live_request_ids.difference_update(request_ids)
+        return encode(EngineCoreRequestType.ABORT, request_ids)
+
+    def _utility_frames(self, utility: str, **kwargs: Any) -> tuple[int, list[bytes]]:
+        call_id = next(self._call_ids)
+        try:
+            return call_id, encode(
+                EngineCoreRequestType.UTILITY, UtilityCall(call_id, utility, kwargs)
+            )
+        except TypeError as e:
+            raise TypeError(
+                f"{utility} arguments must be msgpack-able (None, bool, int, float, str, bytes, "
+                f"lists, dicts, msgspec Structs, dataclasses) to reach the engine core: {e}"
+            ) from e
+
+    def _rpc_frames(self, method, args, kwargs, timeout, unique_reply_rank):
+        rpc_kwargs = collective_rpc_kwargs(method, args, kwargs, timeout, unique_reply_rank)
+        return self._utility_frames("collective_rpc", **rpc_kwargs)
+
+    def _try_send(self, frames: list[bytes]) -> bool:
+        """Sends without blocking; False when the core is not connected to read it."""
+        with self.resources.send_lock:
+            if self.resources.closed:
+                raise EngineDeadError(self.handler.dead_reason or "the client was shut down")
+            try:
+                self.resources.input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            return True
+
+    def _unreachable(self) -> EngineDeadError:
+        reason = self.handler.dead_reason
+        return EngineDeadError(reason or f"the engine core (pid {self.core_pid}) stopped reading")
+
+
+class SyncMPClient(MPClient):
+    """The engine core in a background process; an output thread feeds a queue."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        super().__init__(config, self._outputs.put)
+        thread = threading.Thread(
+            target=read_outputs_until_exit,
+            args=(self.handler, self.resources),
+            name="v1engine-core-output",
+            daemon=True,
+        )
+        self.resources.reader_thread = thread
+        thread.start()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Raises ValueError (sending nothing) when the request cannot be served."""
+        self._send(self._add_frames(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._send(self._abort_frames(request_ids))
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The outputs of the next step that produced tokens.
+
+        Raises:
+            TimeoutError: nothing arrived within `timeout` seconds.
+        """
+        try:
+            item = self._outputs.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no engine core output within {timeout} s") from None
+        if item is DEAD:
+            self._outputs.put(DEAD)  # every later call fails too
+            raise EngineDeadError(self.handler.dead_reason)
+        return item
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """As `Executor.collective_rpc`; arguments and results must be msgpack-able."""
+        return self._call(*self._rpc_frames(method, args, kwargs, timeout, unique_reply_rank))
+
+    def reset_prefix_cache(self) -> bool:
+        return self._call(*self._utility_frames("reset_prefix_cache"))
+
+    def _call(self, call_id: int, frames: list[bytes]) -> Any:
+        future = self.handler.register_call(call_id, None)
+        self._send(frames)
+        return future.result()
+
+    def _send(self, frames: list[bytes]) -> None:
+        deadline = time.monotonic() + _SEND_RETRY_S
+        while not self._try_send(frames):
+            if self.handler.dead_reason is not None or time.monotonic() > deadline:
+                raise self._unreachable()
+            time.sleep(_SEND_RETRY_SLICE_S)
+
+
+class AsyncMPClient(MPClient):
+    """The engine core in a background process, for asyncio front ends (the HTTP server).
+
+    Bound to the event loop it is created in, or else to the one of its first `await`ed call;
+    call `shutdown()` from that loop's thread.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        super().__init__(config, self._outputs.put_nowait)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self._attach(asyncio.get_running_loop())
+        except RuntimeError:
+            pass  # no loop yet: the first awaited call attaches
+
+    async def add_request(self, request: EngineCoreRequest) -> None:
+        """Raises ValueError (sending nothing) when the request cannot be served."""
+        self._attached()
+        await self._send(self._add_frames(request))
+
+    async def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self._attached()
+        await self._send(self._abort_frames(request_ids))
+
+    async def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        self._attached()
+        try:
+            item = await asyncio.wait_for(self._outputs.get(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no engine core output within {timeout} s") from None
+        if item is DEAD:
+            self._outputs.put_nowait(DEAD)
+            raise EngineDeadError(self.handler.dead_reason)
+        return item
+
+    async def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        return await self._call(*self._rpc_frames(method, args, kwargs, timeout, unique_reply_rank))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(*self._utility_frames("reset_prefix_cache"))
+
+    def shutdown(self) -> None:
+        reason = "the engine core client was shut down"
+        if self._loop is not None and self._loop.is_closed():
+            # Nothing can be waiting on a closed loop, and it cannot deliver wake-ups.
+            self.handler.dead_reason = self.handler.dead_reason or reason
+        else:
+            self.handler.set_dead(reason)
+        self._close()
+
+    async def _call(self, call_id: int, frames: list[bytes]) -> Any:
+        self._attached()
+        future = self.handler.register_call(call_id, self._loop)
+        await self._send(frames)
+        return await future
+
+    async def _send(self, frames: list[bytes]) -> None:
+        deadline = time.monotonic() + _SEND_RETRY_S
+        while not self._try_send(frames):
+            if self.handler.dead_reason is not None or time.monotonic() > deadline:
+                raise self._unreachable()
+            await asyncio.sleep(_SEND_RETRY_SLICE_S)
+
+    def _attached(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._attach(loop)
+        elif loop is not self._loop:
+            raise RuntimeError("AsyncMPClient is bound to the event loop it was first used in")
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        read_outputs_in_loop(loop, self.handler, self.resources)

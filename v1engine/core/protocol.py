@@ -1,0 +1,187 @@
+"""The wire protocol between an `EngineCoreClient` and its `EngineCoreProc`.
+
+Every message is a ZeroMQ multipart message `[type tag, msgpack payload]`, encoded with msgspec:
+never pickle, so a process that can write to the socket cannot make the other run code.
+
+Client -> core, on the input socket (client PUSH binds, core PULL connects):
+    ADD       EngineCoreRequest; the client validated it already (see `check_request`)
+    ABORT     list[str]: request ids; no output follows but what was already sent
+    UTILITY   UtilityCall(call_id, method, kwargs): "collective_rpc" or "reset_prefix_cache"
+    SHUTDOWN  empty: stop the workers and exit 0
+
+Core -> client, on the output socket (client PULL binds, core PUSH connects):
+    OUTPUTS         EngineCoreOutputs of one step that produced tokens
+    UTILITY_RESULT  UtilityResult(call_id, result or error)
+    REQUEST_ERROR   RequestError(request_id, message): the core refused an ADD the client let
+                    through; the client finishes that request with finish_reason "abort"
+    ENGINE_DEAD     str: why the core stopped (a worker died, the loop crashed); it then exits 1
+
+Start-up goes over a one-way pipe, also msgpack: `[READY, EngineInfo]` once the engine is built,
+or `[FAILED, exception type name, traceback]`.
+
+Bad input is reported synchronously by the client: READY carries the limits the core checks
+(max_model_len, vocab size), so `add_request` validates, raises ValueError and sends nothing,
+without a round trip per request. The core validates again; REQUEST_ERROR is the safety net.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from v1engine.executor.errors import RemoteFailure, WorkerError
+from v1engine.request import EngineCoreRequest
+
+READY = "READY"
+FAILED = "FAILED"
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a client -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of a core -> client message."""
+
+    OUTPUTS = b"\x10"
+    UTILITY_RESULT = b"\x11"
+    REQUEST_ERROR = b"\x12"
+    ENGINE_DEAD = b"\x13"
+
+
+class EngineInfo(msgspec.Struct, array_like=True):
+    """What the client learns at READY: the limits `check_request` enforces."""
+
+    pid: int
+    max_model_len: int
+    vocab_size: int | None
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    call_id: int
+    method: str
+    kwargs: dict[str, Any] = {}
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A utility call's result, or its error: `error_type` names the exception class and
+    `failures` carries a WorkerError's per-rank failures so the client can rebuild it.
+    """
+
+    call_id: int
+    result: Any = None
+    error_type: str | None = None
+    error_message: str = ""
+    failed_method: str = ""
+    failures: list[RemoteFailure] | None = None
+
+
+class RequestError(msgspec.Struct, array_like=True):
+    request_id: str
+    message: str
+
+
+# Exceptions a utility call may raise that the client re-raises as the same type; anything else
+# arrives as a RuntimeError with the original type name in its message.
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "TimeoutError": TimeoutError,
+}
+
+encoder = msgspec.msgpack.Encoder()
+
+
+def encode(tag: enum.Enum, payload: Any = None) -> list[bytes]:
+    """Frames of one message. Raises TypeError when the payload is not msgpack-able."""
+    try:
+        return [tag.value, encoder.encode(payload)]
+    except (msgspec.EncodeError, OverflowError) as e:
+        raise TypeError(str(e)) from e
+
+
+def error_result(call_id: int, error: Exception) -> UtilityResult:
+    if isinstance(error, WorkerError):
+        return UtilityResult(
+            call_id, error_type="WorkerError", failed_method=error.method, failures=error.failures
+        )
+    return UtilityResult(call_id, error_type=type(error).__name__, error_message=str(error))
+
+
+def make_error(result: UtilityResult) -> Exception:
+    """The exception a failed utility call raises in the client."""
+    if result.failures is not None:
+        return WorkerError(result.failed_method, result.failures)
+    error_cls = _ERROR_TYPES.get(result.error_type or "")
+    if error_cls is not None:
+        return error_cls(result.error_message)
+    return RuntimeError(f"{result.error_type}: {result.error_message}")
+
+
+def check_request(request: EngineCoreRequest, info: EngineInfo, live_ids: set[str]) -> None:
+    """The checks of `EngineCore.add_request`, run in the client so bad input raises at once.
+
+    Raises:
+        ValueError: the request cannot be served; the message says why and what to change.
+    """
+    prompt = request.prompt_token_ids
+    if not isinstance(request.request_id, str):
+        raise ValueError(f"request_id must be a str, got {request.request_id!r}")
+    if not prompt:
+        raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+    if len(prompt) >= info.max_model_len:
+        raise ValueError(
+            f"request {request.request_id!r}: the prompt has {len(prompt)} tokens but "
+            f"max_model_len is {info.max_model_len}, leaving no room for output; shorten the "
+            "prompt or raise max_model_len"
+        )
+    if info.vocab_size is not None:
+        bad = [t for t in prompt if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} are outside the "
+                f"vocabulary [0, {info.vocab_size})"
+            )
+    if request.request_id in live_ids:
+        raise ValueError(f"request id {request.request_id!r} is already in use")
+    # The caller may have changed the params after construction; their own checks run again.
+    request.sampling_params.__post_init__()
+
+
+def collective_rpc_kwargs(
+    method: str | Callable,
+    args: tuple,
+    kwargs: dict[str, Any] | None,
+    timeout: float | None,
+    unique_reply_rank: int | None,
+) -> dict[str, Any]:
+    """The UTILITY kwargs of a collective_rpc. A function travels as `module:qualname`, which
+    the core imports: code never crosses the socket.
+    """
+    is_function = callable(method)
+    return {
+        "method": _function_path(method) if is_function else method,
+        "is_function": is_function,
+        "args": list(args),
+        "kwargs": kwargs or {},
+        "timeout": timeout,
+        "unique_reply_rank": unique_reply_rank,
+    }
+
+
+def _function_path(function: Callable) -> str:
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not module or "." in qualname or "<" in qualname:
+        raise ValueError(
+            "collective_rpc takes a worker method name or a module-level function (called as "
+            f"fn(worker, *args)); got {function!r}, which the engine core cannot import"
+        )
+    return f"{module}:{qualname}"

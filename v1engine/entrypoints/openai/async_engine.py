@@ -1,0 +1,248 @@
+"""AsyncEngine: the API server's asyncio front of an engine core process.
+
+It owns the `AsyncMPClient`, the `OutputProcessor` (detokenizer, stop strings, n > 1 fan-in)
+and one output loop task, which is the only reader of the client:
+
+    while True:
+        outputs = await client.get_output()          # one engine step
+        request_outputs, to_abort = output_processor.process_outputs(outputs.outputs)
+        abort `to_abort` in the core (a stop string ended them there)
+        put each RequestOutput on its request's asyncio.Queue
+
+Each HTTP handler adds its request (`add_request`, which raises ValueError for bad input before
+anything is sent) and iterates `stream_outputs`; leaving that iteration early (client gone,
+handler cancelled) aborts the request in the core. When the engine dies, every queue gets the
+EngineDeadError, later calls raise it, and `on_dead` runs once (the server then exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from v1engine.config import EngineConfig
+from v1engine.core.core_client import EngineDeadError
+from v1engine.engine.output_processor import OutputKind, OutputProcessor, make_child_requests
+from v1engine.engine.request_output import RequestOutput
+from v1engine.engine.tokenizer import eos_token_id
+from v1engine.entrypoints.openai.metrics import ServerMetrics
+from v1engine.logger import init_logger
+from v1engine.request import EngineCoreOutputs, EngineCoreRequest
+from v1engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1engine.core.core_client import AsyncMPClient
+
+logger = init_logger(__name__)
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (its client went away) while someone still read its outputs."""
+
+
+@dataclass
+class _Timing:
+    """Per engine request: when it arrived and when its latest token came (None: no token)."""
+
+    arrival_s: float
+    last_token_s: float | None = None
+
+
+class AsyncEngine:
+    """Args:
+    client: an `AsyncMPClient` (or anything with its async add/abort/get_output methods).
+    tokenizer: the model's tokenizer, for the detokenizer and stop strings.
+    config: the engine configuration the client was built from.
+    metrics: where request counts and latencies go.
+    """
+
+    def __init__(
+        self, client: AsyncMPClient, tokenizer: Any, config: EngineConfig, metrics: ServerMetrics
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.dead_reason: str | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._timings: dict[str, _Timing] = {}  # by engine (child) request id
+        self._background: set[asyncio.Task] = set()  # abort sends, kept alive until done
+        self._output_loop: asyncio.Task | None = None
+        self._on_dead: Callable[[], None] | None = None
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def start(self, on_dead: Callable[[], None] | None = None) -> None:
+        """Starts the output loop on the running event loop; `on_dead` runs if the engine dies."""
+        self._on_dead = on_dead
+        self._output_loop = asyncio.get_running_loop().create_task(self._run_output_loop())
+
+    async def stop(self) -> None:
+        """Stops the output loop and fails whatever still waits (the server is going away)."""
+        if self._output_loop is not None:
+            self._output_loop.cancel()
+            await asyncio.gather(self._output_loop, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._fail_all(EngineDeadError("the server is shutting down"), outcome="abort")
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    # -- requests ------------------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: OutputKind,
+    ) -> None:
+        """Sends the request's n engine requests; iterate `stream_outputs(request_id)` next.
+
+        Raises:
+            ValueError: the request cannot be served (prompt too long, bad sampling values);
+                nothing of it stays in the engine.
+            EngineDeadError: the engine is dead.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._queues[request_id] = asyncio.Queue()
+        try:
+            for child_id, index, child_params in make_child_requests(request_id, params):
+                self.output_processor.add_request(
+                    child_id, prompt, prompt_token_ids, params, output_kind, request_id, index
+                )
+                request = EngineCoreRequest(
+                    child_id, prompt_token_ids, child_params, self.eos_token_id
+                )
+                self._timings[child_id] = _Timing(time.monotonic())
+                await self.client.add_request(request)
+        except BaseException:
+            self.abort(request_id, outcome=None)
+            raise
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
+
+    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; leaving early aborts it.
+
+        Raises:
+            EngineDeadError: the engine died before the request finished.
+            RequestAbortedError: `abort(request_id)` was called meanwhile.
+        """
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise ValueError(f"request {request_id!r} is not running; call add_request first")
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.abort(request_id)
+
+    def abort(self, request_id: str, outcome: str | None = "abort") -> None:
+        """Forgets the request and aborts what of it still runs in the core. Synchronous (the
+        send goes on in a task), so it works inside a cancelled task or a closing generator.
+        """
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:  # wakes a reader still waiting for the request's outputs
+            queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
+        core_ids = self.output_processor.abort_requests([request_id])
+        for core_id in core_ids:
+            if self._timings.pop(core_id, None) is not None and outcome is not None:
+                self.metrics.observe_finished(outcome)
+        if core_ids and self.dead_reason is None:
+            task = asyncio.get_running_loop().create_task(self._send_abort(core_ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self._reset_idle_gauges()
+
+    async def _send_abort(self, core_ids: list[str]) -> None:
+        try:
+            await self.client.abort_requests(core_ids)
+        except EngineDeadError:
+            pass  # the output loop reports the death
+
+    # -- the output loop -------------------------------------------------------------------------
+    async def _run_output_loop(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_output()
+                await self._process(outputs)
+        except EngineDeadError as e:
+            self._set_dead(str(e))
+        except Exception as e:
+            # A bug here would leave every request waiting forever: treat it as fatal.
+            logger.exception("the engine output loop failed")
+            self._set_dead(f"the engine output loop failed: {type(e).__name__}: {e}")
+
+    async def _process(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.metrics.update_scheduler_stats(outputs.scheduler_stats)
+        self._observe_tokens(outputs)
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        for core_id in to_abort:  # finished by a stop string, which only the front end sees
+            if self._timings.pop(core_id, None) is not None:
+                self.metrics.observe_finished("stop")
+        for request_output in request_outputs:
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+            if request_output.finished:
+                self._queues.pop(request_output.request_id, None)
+        self._reset_idle_gauges()
+        if to_abort:
+            await self.client.abort_requests(to_abort)
+
+    def _observe_tokens(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for output in outputs.outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                continue  # aborted or stopped by a stop string: no longer counted
+            if output.new_token_ids:
+                metrics.generation_tokens.inc(len(output.new_token_ids))
+                if timing.last_token_s is None:
+                    metrics.time_to_first_token.observe(now - timing.arrival_s)
+                else:
+                    metrics.inter_token_latency.observe(now - timing.last_token_s)
+                timing.last_token_s = now
+            if output.finished:
+                del self._timings[output.request_id]
+                metrics.observe_finished(str(output.finish_reason))
+
+    def _reset_idle_gauges(self) -> None:
+        # The core sends stats only with outputs, so after an abort of the last request the
+        # gauges would keep its values; with nothing in flight, nothing runs or waits.
+        if not self.output_processor.has_unfinished_requests():
+            self.metrics.num_requests_running.set(0)
+            self.metrics.num_requests_waiting.set(0)
+            self.metrics.kv_cache_usage.set(0)
+
+    # -- death -----------------------------------------------------------------------------------
+    def _set_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("engine is dead: %s", reason)
+        self.dead_reason = reason
+        self._fail_all(EngineDeadError(reason), outcome="error")
+        if self._on_dead is not None:
+            self._on_dead()
+
+    def _fail_all(self, error: EngineDeadError, outcome: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = str(error)
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(error)
+        for _ in self._timings:
+            self.metrics.observe_finished(outcome)
+        self._timings.clear()

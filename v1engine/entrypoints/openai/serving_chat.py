@@ -1,0 +1,156 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> n replies, whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from v1engine.engine.request_output import CompletionOutput
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from v1engine.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    make_usage,
+    sampled_logprobs,
+)
+
+_MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        """Raises APIError (400, 404, 503) before anything is generated."""
+        self.check_model(request.model)
+        _check_logprobs(request)
+        prompt = self._apply_chat_template(request)
+        # The template already wrote the special tokens (BOS, role markers) it wants.
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        params = self.make_sampling_params(request, len(token_ids))
+        output_kind = "delta" if request.stream else "final"
+        request_id = await self.add_request("chatcmpl", prompt, token_ids, params, output_kind)
+        if request.stream:
+            chunks = self._stream_chunks(request_id, request)
+            return StreamingResponse(
+                self.stream_events(request_id, chunks), media_type="text/event-stream"
+            )
+        final = await self.wait_for_final_output(request_id, raw_request)
+        choices = [
+            ChatChoice(
+                index=output.index,
+                message=ChatResponseMessage(content=output.text),
+                logprobs=_chat_logprobs(output, request),
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            for output in final.outputs
+        ]
+        usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
+        response = ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
+        return JSONResponse(response.model_dump())
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
+        if not request.messages:
+            raise APIError("messages must not be empty", param="messages")
+        messages = [_as_template_message(message) for message in request.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja errors, or a tokenizer without a chat template
+            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+
+    async def _stream_chunks(
+        self, request_id: str, request: ChatCompletionRequest
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
+        # chunk of a choice carries its finish_reason.
+        for index in range(request.n):
+            role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[role])
+        num_completion_tokens, last = 0, None
+        async for output in self.engine.stream_outputs(request_id):
+            last = output
+            choices = []
+            for completion in output.outputs:
+                num_completion_tokens += len(completion.token_ids)
+                if completion.text or completion.finished() or completion.token_ids:
+                    choices.append(_stream_choice(completion, request))
+            if choices:
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+        if request.include_usage and last is not None:
+            usage = make_usage(last, num_completion_tokens)
+            yield ChatCompletionChunk(
+                id=request_id, model=self.model_name, choices=[], usage=usage
+            )
+
+
+def _check_logprobs(request: ChatCompletionRequest) -> None:
+    top = request.top_logprobs
+    if top is None:
+        return
+    if not request.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    if not 0 <= top <= _MAX_TOP_LOGPROBS:
+        raise APIError(
+            f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs"
+        )
+
+
+def _as_template_message(message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(
+                    f"only text content parts are supported, got {part.get('type')!r}",
+                    param="messages",
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    return {"role": message.role, "content": content or ""}
+
+
+def _stream_choice(output: CompletionOutput, request: ChatCompletionRequest) -> ChatStreamChoice:
+    return ChatStreamChoice(
+        index=output.index,
+        delta=ChatDelta(content=output.text),
+        logprobs=_chat_logprobs(output, request),
+        finish_reason=output.finish_reason,
+        stop_reason=output.stop_reason,
+    )
+
+
+def _chat_logprobs(output: CompletionOutput, request: ChatCompletionRequest) -> ChatLogprobs | None:
+    if output.logprobs is None:
+        return None
+    num_top = request.top_logprobs or 0
+    content = []
+    for sampled, ranked in sampled_logprobs(output.token_ids, output.logprobs):
+        top = [_top_logprob(lp.decoded_token, lp.logprob) for lp in ranked[:num_top]]
+        token = _top_logprob(sampled.decoded_token, sampled.logprob)
+        content.append(ChatTokenLogprob(**token.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def _top_logprob(token: str | None, logprob: float) -> TopLogprob:
+    token = token or ""
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))

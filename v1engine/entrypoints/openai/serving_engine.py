@@ -1,0 +1,186 @@
+"""OpenAIServing: what the completion and chat endpoints share.
+
+That is the model-name check, the length check against the context, adding a request to the
+AsyncEngine with its errors mapped to HTTP statuses, waiting for a final output while watching
+for the client to disconnect, server-sent events and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from v1engine.core.core_client import EngineDeadError
+from v1engine.engine.output_processor import OutputKind
+from v1engine.engine.request_output import Logprob, RequestOutput
+from v1engine.entrypoints.openai.async_engine import AsyncEngine, RequestAbortedError
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from v1engine.logger import init_logger
+from v1engine.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    """Args:
+    engine: the running AsyncEngine.
+    tokenizer: the model's tokenizer.
+    served_model_names: the names clients may send as `model`; the first is reported back.
+    max_model_len: the context length, prompt and output together.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        served_model_names: list[str],
+        max_model_len: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """Raises APIError 404 for a model this server does not serve (None: the default)."""
+        if model is not None and model not in self.served_model_names:
+            raise APIError(
+                f"the model `{model}` does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.served_model_names)}",
+                HTTPStatus.NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
+
+    def make_sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
+        """The request's SamplingParams; by default output may fill the rest of the context.
+
+        Raises:
+            APIError: 400 for an invalid value or a prompt plus max_tokens over the context.
+        """
+        if num_prompt_tokens >= self.max_model_len:
+            raise APIError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens} tokens; shorten the prompt",
+                param="messages" if hasattr(request, "messages") else "prompt",
+                code="context_length_exceeded",
+            )
+        try:
+            params = request.to_sampling_params(self.max_model_len - num_prompt_tokens)
+        except ValueError as e:
+            raise APIError.bad_request(e) from e
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > (
+            self.max_model_len
+        ):
+            raise APIError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but you "
+                f"requested {num_prompt_tokens + params.max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} for the output); "
+                "lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return params
+
+    async def add_request(
+        self,
+        prefix: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: OutputKind,
+    ) -> str:
+        """Adds the request to the engine; returns its id.
+
+        Raises:
+            APIError: 400 when the engine refuses the input, 503 when the engine is dead.
+        """
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            await self.engine.add_request(
+                request_id, prompt, prompt_token_ids, params, output_kind
+            )
+        except ValueError as e:
+            raise APIError.bad_request(e) from e
+        except EngineDeadError as e:
+            raise APIError.engine_dead(str(e)) from e
+        return request_id
+
+    async def wait_for_final_output(self, request_id: str, raw_request: Request) -> RequestOutput:
+        """The request's final output; aborts it if the client disconnects first.
+
+        Raises:
+            APIError: 503 when the engine died; 400 when aborted (nobody is left to read it).
+        """
+        watcher = asyncio.create_task(_abort_on_disconnect(raw_request, self.engine, request_id))
+        try:
+            final = None
+            async for output in self.engine.stream_outputs(request_id):
+                final = output
+            assert final is not None and final.finished
+            return final
+        except EngineDeadError as e:
+            raise APIError.engine_dead(str(e)) from e
+        except RequestAbortedError as e:
+            raise APIError(str(e), code="client_disconnected") from e
+        finally:
+            watcher.cancel()
+
+    async def stream_events(
+        self, request_id: str, chunks: AsyncIterator[BaseModel]
+    ) -> AsyncIterator[str]:
+        """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
+
+        The client disconnecting cancels this generator (Starlette does), which closes the
+        request's `stream_outputs` and so aborts it.
+        """
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except EngineDeadError as e:
+            logger.warning("stream %s ended by the engine's death", request_id)
+            yield APIError.engine_dead(str(e)).to_sse()
+        yield SSE_DONE
+
+
+async def _abort_on_disconnect(raw_request: Request, engine: AsyncEngine, request_id: str) -> None:
+    # Once the body is read, the next ASGI message is the disconnect (or, from uvicorn, a
+    # disconnect once the response is complete, by which time this task is cancelled).
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+    logger.info("client of %s disconnected; aborting it", request_id)
+    engine.abort(request_id)
+
+
+def make_usage(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
+    num_prompt_tokens = len(output.prompt_token_ids)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+    )
+
+
+def sampled_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]]
+) -> list[tuple[Logprob, list[Logprob]]]:
+    """Per generated token: its own Logprob and every candidate of its row, best rank first."""
+    rows = []
+    for token_id, row in zip(token_ids, logprobs):
+        ranked = sorted(row.values(), key=lambda lp: lp.rank if lp.rank is not None else 0)
+        rows.append((row[token_id], ranked))
+    return rows
