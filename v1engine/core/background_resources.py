@@ -32,13 +32,14 @@ logger = init_logger(__name__)
 # Building the engine loads weights and profiles memory; a failure ends the wait at once.
 STARTUP_TIMEOUT_S = 900.0
 _GRACEFUL_EXIT_S = 5.0
-_TERMINATE_EXIT_S = 5.0
+_TERMINATE_EXIT_S = 10.0  # SIGTERM makes the core stop its workers, which may take seconds
 _READER_JOIN_S = 5.0
 
 
 class BackgroundResources:
     def __init__(self) -> None:
         self.closed = False
+        self.ready = False
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.reader_thread: threading.Thread | None = None
         # Run first by close(): the asyncio client stops watching the sockets' descriptors here.
@@ -76,7 +77,9 @@ class BackgroundResources:
             finally:
                 writer.close()  # the child has its copy; EOF then means it exited
             self.proc = proc  # only a started process is ours to stop
-            return _wait_for_ready(proc, reader)
+            info = _wait_for_ready(proc, reader)
+            self.ready = True
+            return info
         finally:
             reader.close()
 
@@ -110,22 +113,13 @@ class BackgroundResources:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def _stop_process(self, proc: multiprocessing.process.BaseProcess) -> None:
-        if proc.exitcode is None and self.send_lock.acquire(timeout=1.0):
-            try:
-                self.input_socket.send_multipart(
-                    encode(EngineCoreRequestType.SHUTDOWN), flags=zmq.NOBLOCK
-                )
-            except zmq.ZMQError:
-                pass  # not reading any more: SIGTERM below
-            finally:
-                self.send_lock.release()
-        proc.join(_GRACEFUL_EXIT_S)
+        # A core still starting (Ctrl-C during start-up) reads no messages yet: SIGTERM at once.
+        if self.ready and proc.exitcode is None:
+            self._send_shutdown()
+            proc.join(_GRACEFUL_EXIT_S)
         if proc.exitcode is None:
-            logger.warning(
-                "engine core pid %d did not stop within %.0f s; terminating it",
-                proc.pid,
-                _GRACEFUL_EXIT_S,
-            )
+            if self.ready:
+                logger.warning("engine core pid %d did not stop; terminating it", proc.pid)
             proc.terminate()
             proc.join(_TERMINATE_EXIT_S)
         if proc.exitcode is None:
@@ -134,6 +128,18 @@ class BackgroundResources:
             proc.kill()
             proc.join()
         proc.close()
+
+    def _send_shutdown(self) -> None:
+        if not self.send_lock.acquire(timeout=1.0):
+            return  # a sender is stuck: SIGTERM follows
+        try:
+            self.input_socket.send_multipart(
+                encode(EngineCoreRequestType.SHUTDOWN), flags=zmq.NOBLOCK
+            )
+        except zmq.ZMQError:
+            pass  # not reading any more: SIGTERM follows
+        finally:
+            self.send_lock.release()
 
 
 def _wait_for_ready(proc: multiprocessing.process.BaseProcess, conn: Connection) -> EngineInfo:
@@ -147,6 +153,7 @@ def _wait_for_ready(proc: multiprocessing.process.BaseProcess, conn: Connection)
         return msgspec.convert(message[1], EngineInfo)
     if message is not None:
         _, exc_type, text = message
+        proc.join(_GRACEFUL_EXIT_S)  # it exits after FAILED, once its workers are stopped
         error_cls = ValueError if exc_type == "ValueError" else RuntimeError
         raise error_cls(f"the engine core failed to start:\n{text}")
     proc.join(_GRACEFUL_EXIT_S)

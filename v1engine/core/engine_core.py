@@ -9,12 +9,14 @@ sampled tokens into per-request outputs.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from v1engine.config import EngineConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
+from v1engine.core.protocol import EngineInfo, check_request
 from v1engine.core.scheduler import Scheduler
 from v1engine.executor.abstract import Executor
 from v1engine.kv_cache_interface import KVCacheConfig
@@ -96,27 +98,9 @@ class EngineCore:
         self.scheduler.add_request(Request.from_engine_core_request(request, max_model_len))
 
     def _validate(self, request: EngineCoreRequest) -> None:
-        prompt = request.prompt_token_ids
-        max_model_len = self.config.scheduler_config.max_model_len
-        if not prompt:
-            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-        if len(prompt) >= max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: the prompt has {len(prompt)} tokens but "
-                f"max_model_len is {max_model_len}, leaving no room for output; shorten the "
-                "prompt or raise max_model_len"
-            )
-        if self.vocab_size is not None:
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {request.request_id!r}: token ids {bad[:5]} are outside the "
-                    f"vocabulary [0, {self.vocab_size})"
-                )
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        # Decoded from msgpack, the params skipped their constructor's checks: run them now.
-        request.sampling_params.__post_init__()
+        # The same checks the multiprocess client runs before sending (one copy, in protocol).
+        info = EngineInfo(os.getpid(), self.config.scheduler_config.max_model_len, self.vocab_size)
+        check_request(request, info, self.scheduler.requests.keys())
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

@@ -16,6 +16,7 @@ watching the client's sentinel stops the workers and exits when the client dies,
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib
 import multiprocessing
@@ -77,6 +78,7 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self._should_stop = False
         self._parent_died = False
+        self._client_watch: threading.Thread | None = None
         self._watch_parent()
         self.ctx = zmq.Context(io_threads=1)
         self.input_socket = self.ctx.socket(zmq.PULL)
@@ -119,6 +121,10 @@ class EngineCoreProc:
             if not self._parent_died:
                 self._report_engine_dead(e)
         finally:
+            if self._parent_died and self._client_watch is not None:
+                # The watch thread is stopping the engine and ends the process; exiting here
+                # first would cut its clean-up short.
+                self._client_watch.join()
             self.shutdown()
         return exit_code
 
@@ -249,12 +255,13 @@ class EngineCoreProc:
         parent = multiprocessing.parent_process()
         if parent is None:
             return
-        threading.Thread(
+        self._client_watch = threading.Thread(
             target=self._on_parent_death,
             args=(parent.sentinel,),
             name="v1engine-client-watch",
             daemon=True,
-        ).start()
+        )
+        self._client_watch.start()
 
     def _on_parent_death(self, sentinel: int) -> None:
         wait([sentinel])
@@ -330,7 +337,10 @@ def run_engine_core(
     try:
         proc = EngineCoreProc(config, input_address, output_address, client_ipc_dir)
     except BaseException as e:
-        ready_conn.send_bytes(encoder.encode([FAILED, type(e).__name__, traceback.format_exc()]))
+        with contextlib.suppress(OSError):  # the client stopped waiting (Ctrl-C, SIGTERM)
+            ready_conn.send_bytes(
+                encoder.encode([FAILED, type(e).__name__, traceback.format_exc()])
+            )
         ready_conn.close()
         sys.exit(1)
     ready_conn.send_bytes(encoder.encode([READY, proc.info]))

@@ -27,7 +27,7 @@ without a round trip per request. The core validates again; REQUEST_ERROR is the
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
@@ -126,7 +126,9 @@ def make_error(result: UtilityResult) -> Exception:
     return RuntimeError(f"{result.error_type}: {result.error_message}")
 
 
-def check_request(request: EngineCoreRequest, info: EngineInfo, live_ids: set[str]) -> None:
+def check_request(
+    request: EngineCoreRequest, info: EngineInfo, live_ids: Collection[str]
+) -> None:
     """The checks of `EngineCore.add_request`, run in the client so bad input raises at once.
 
     Raises:

@@ -1,0 +1,116 @@
+"""A model-free worker for engine-process tests: it "generates" (last token + 1) % VOCAB_SIZE.
+
+Like the real model runner, it rebuilds each request's tokens from the SchedulerOutput diffs
+alone and samples only when a request's computed tokens reach the end of its known tokens, so
+the tokens it returns prove the whole path (client -> core -> scheduler -> worker) kept them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from v1engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from v1engine.kv_cache_interface import FullAttentionSpec
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.worker.worker_base import WorkerBase
+
+VOCAB_SIZE = 50
+MAX_MODEL_LEN = 64
+
+
+def make_config(worker_cls: str = "CountingWorker", tensor_parallel_size: int = 2) -> EngineConfig:
+    return EngineConfig(
+        model_config=ModelConfig(max_model_len=MAX_MODEL_LEN),
+        cache_config=CacheConfig(block_size=16),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            worker_cls=f"tests.core.counting_worker.{worker_cls}",
+        ),
+        scheduler_config=SchedulerConfig(
+            max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=8
+        ),
+    )
+
+
+def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    return [(prompt[-1] + i) % VOCAB_SIZE for i in range(1, max_tokens + 1)]
+
+
+class CountingWorker(WorkerBase):
+    def load_model(self) -> None:
+        self.token_ids: dict[str, list[int]] = {}
+        self.step_delay_s = 0.0
+
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        return {"layers.0": FullAttentionSpec(16, 1, 8, torch.float32)}
+
+    def determine_available_memory(self) -> int:
+        return 4 << 20
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.num_blocks = kv_cache_config.num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        time.sleep(self.step_delay_s)
+        for req_id in scheduler_output.finished_req_ids:
+            self.token_ids.pop(req_id, None)
+        num_computed = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            self.token_ids[new.req_id] = list(new.prompt_token_ids)
+            num_computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            self.token_ids[req_id].extend(cached.new_token_ids[i])
+            num_computed[req_id] = cached.num_computed_tokens[i]
+        req_ids, sampled = [], []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            tokens = self.token_ids[req_id]
+            done = num_computed[req_id] + num_tokens >= len(tokens)
+            req_ids.append(req_id)
+            sampled.append([(tokens[-1] + 1) % VOCAB_SIZE] if done else [])
+        return ModelRunnerOutput(req_ids, sampled) if self.rank == 0 else None
+
+    # -- for collective_rpc tests ----------------------------------------------------------------
+    def set_step_delay(self, seconds: float) -> None:
+        self.step_delay_s = seconds
+
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def echo(self, value, suffix: str = "") -> list:
+        return [value, suffix, self.rank]
+
+    def fail(self, message: str) -> None:
+        raise RuntimeError(f"{message} on rank {self.rank}")
+
+    def make_tensor(self) -> torch.Tensor:
+        return torch.zeros(2)
+
+    def num_known_requests(self) -> int:
+        return len(self.token_ids)
+
+
+class FailingLoadWorker(CountingWorker):
+    def load_model(self) -> None:
+        if self.rank == 1:
+            # The engine core's pid, so the test can check that it left nothing behind.
+            raise RuntimeError(f"no weights for rank 1 (engine core pid {os.getppid()})")
+        super().load_model()
+
+
+def rank_times(worker: CountingWorker, factor: int) -> int:
+    """A module-level function run as fn(worker, *args)."""
+    return worker.rank * factor
