@@ -210,10 +210,13 @@ class GPUModelRunner:
                 "execute_model before initialize_from_config: the KV cache must be allocated "
                 "first (run the start-up handshake)"
             )
-        for req_id in scheduler_output.finished_req_ids:
+        # Sets iterate in each process's own string-hash order: remove rows in one order on
+        # every rank, or their row layouts differ and the tensor-parallel all-reduces mix
+        # requests.
+        for req_id in sorted(scheduler_output.finished_req_ids):
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-        for req_id in scheduler_output.preempted_req_ids:
+        for req_id in sorted(scheduler_output.preempted_req_ids):
             batch.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             self.requests[new_req.req_id] = self._new_request_state(new_req)

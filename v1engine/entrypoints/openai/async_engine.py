@@ -10,8 +10,8 @@ and one output loop task, which is the only reader of the client:
         put each RequestOutput on its request's asyncio.Queue
 
 Each HTTP handler adds its request (`add_request`, which raises ValueError for bad input before
-anything is sent) and iterates `stream_outputs`; leaving that iteration early (client gone,
-handler cancelled) aborts the request in the core. When the engine dies, every queue gets the
+anything is sent) and iterates the outputs it returns; leaving that iteration early (client
+gone, handler cancelled) aborts the request in the core. When the engine dies, every queue gets the
 EngineDeadError, later calls raise it, and `on_dead` runs once (the server then exits).
 """
 
@@ -100,8 +100,10 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind,
-    ) -> None:
-        """Sends the request's n engine requests; iterate `stream_outputs(request_id)` next.
+    ) -> AsyncIterator[RequestOutput]:
+        """Sends the request's n engine requests; returns its outputs, to iterate until it
+        finishes (the iterator holds the request's queue, so outputs that arrive before the
+        iteration starts wait there).
 
         Raises:
             ValueError: the request cannot be served (prompt too long, bad sampling values);
@@ -110,7 +112,9 @@ class AsyncEngine:
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        self._queues[request_id] = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        sent: list[str] = []
         try:
             for child_id, index, child_params in make_child_requests(request_id, params):
                 self.output_processor.add_request(
@@ -121,21 +125,23 @@ class AsyncEngine:
                 )
                 self._timings[child_id] = _Timing(time.monotonic())
                 await self.client.add_request(request)
+                sent.append(child_id)
         except BaseException:
-            self.abort(request_id, outcome=None)
+            self._forget(request_id, outcome=None)
+            self._abort_in_core(sent)  # the children sent before one was refused
             raise
         self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
+        return self._stream_outputs(request_id, queue)
 
-    async def stream_outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def _stream_outputs(
+        self, request_id: str, queue: asyncio.Queue
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; leaving early aborts it.
 
         Raises:
             EngineDeadError: the engine died before the request finished.
             RequestAbortedError: `abort(request_id)` was called meanwhile.
         """
-        queue = self._queues.get(request_id)
-        if queue is None:
-            raise ValueError(f"request {request_id!r} is not running; call add_request first")
         try:
             while True:
                 item = await queue.get()
@@ -151,6 +157,10 @@ class AsyncEngine:
         """Forgets the request and aborts what of it still runs in the core. Synchronous (the
         send goes on in a task), so it works inside a cancelled task or a closing generator.
         """
+        self._abort_in_core(self._forget(request_id, outcome))
+
+    def _forget(self, request_id: str, outcome: str | None) -> list[str]:
+        """Drops the request's front-end state; returns its engine requests still running."""
         queue = self._queues.pop(request_id, None)
         if queue is not None:  # wakes a reader still waiting for the request's outputs
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
@@ -158,11 +168,14 @@ class AsyncEngine:
         for core_id in core_ids:
             if self._timings.pop(core_id, None) is not None and outcome is not None:
                 self.metrics.observe_finished(outcome)
+        self._reset_idle_gauges()
+        return core_ids
+
+    def _abort_in_core(self, core_ids: list[str]) -> None:
         if core_ids and self.dead_reason is None:
             task = asyncio.get_running_loop().create_task(self._send_abort(core_ids))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-        self._reset_idle_gauges()
 
     async def _send_abort(self, core_ids: list[str]) -> None:
         try:

@@ -86,6 +86,9 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     problems = []
     param = None
     for item in error.errors():
+        if item.get("type") == "json_invalid":
+            reason = item.get("ctx", {}).get("error", item.get("msg"))
+            return APIError(f"malformed JSON in the request body: {reason}").to_response()
         location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         param = param or location or None
         problems.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")

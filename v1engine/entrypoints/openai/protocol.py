@@ -1,4 +1,4 @@
-"""Request and response bodies of the OpenAI API (the subset `serve` implements), as pydantic models.
+"""Request and response bodies of the OpenAI API (the subset `serve` serves), as pydantic models.
 
 Requests ignore fields they do not know (as OpenAI's SDKs may send newer ones); value checks are
 left to `SamplingParams`, whose errors name the field, so one set of rules serves `LLM` and HTTP.

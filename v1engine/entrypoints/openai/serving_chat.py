@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages -> the model's chat template -> n replies, whole or streamed."""
+"""POST /v1/chat/completions: messages -> the chat template -> n replies, whole or streamed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from v1engine.engine.request_output import CompletionOutput
+from v1engine.engine.request_output import CompletionOutput, RequestOutput
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import (
     ChatChoice,
@@ -28,8 +28,6 @@ from v1engine.entrypoints.openai.serving_engine import (
     sampled_logprobs,
 )
 
-_MAX_TOP_LOGPROBS = 20
-
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
@@ -37,19 +35,23 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
         self.check_model(request.model)
-        _check_logprobs(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_num_logprobs(request.top_logprobs, "top_logprobs")
         prompt = self._apply_chat_template(request)
         # The template already wrote the special tokens (BOS, role markers) it wants.
         token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
-        request_id = await self.add_request("chatcmpl", prompt, token_ids, params, output_kind)
+        request_id, outputs = await self.add_request(
+            "chatcmpl", prompt, token_ids, params, output_kind
+        )
         if request.stream:
-            chunks = self._stream_chunks(request_id, request)
+            chunks = self._stream_chunks(request_id, outputs, request)
             return StreamingResponse(
                 self.stream_events(request_id, chunks), media_type="text/event-stream"
             )
-        final = await self.wait_for_final_output(request_id, raw_request)
+        final = await self.wait_for_final_output(request_id, outputs, raw_request)
         choices = [
             ChatChoice(
                 index=output.index,
@@ -78,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
 
     async def _stream_chunks(
-        self, request_id: str, request: ChatCompletionRequest
+        self, request_id: str, outputs: AsyncIterator[RequestOutput], request: ChatCompletionRequest
     ) -> AsyncIterator[ChatCompletionChunk]:
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
         # chunk of a choice carries its finish_reason.
@@ -86,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
             role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[role])
         num_completion_tokens, last = 0, None
-        async for output in self.engine.stream_outputs(request_id):
+        async for output in outputs:
             last = output
             choices = []
             for completion in output.outputs:
@@ -97,21 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
         if request.include_usage and last is not None:
             usage = make_usage(last, num_completion_tokens)
-            yield ChatCompletionChunk(
-                id=request_id, model=self.model_name, choices=[], usage=usage
-            )
-
-
-def _check_logprobs(request: ChatCompletionRequest) -> None:
-    top = request.top_logprobs
-    if top is None:
-        return
-    if not request.logprobs:
-        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    if not 0 <= top <= _MAX_TOP_LOGPROBS:
-        raise APIError(
-            f"top_logprobs must be in [0, {_MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs"
-        )
+            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, str]:

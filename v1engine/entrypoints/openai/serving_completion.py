@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from v1engine.engine.request_output import CompletionOutput
+from v1engine.engine.request_output import CompletionOutput, RequestOutput
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -29,15 +29,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         if request.echo:
             raise APIError("echo is not supported", param="echo")
+        self.check_num_logprobs(request.logprobs, "logprobs")
         text, token_ids = self._tokenize(request.prompt)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
-        request_id = await self.add_request("cmpl", text, token_ids, params, output_kind)
+        request_id, outputs = await self.add_request("cmpl", text, token_ids, params, output_kind)
         if request.stream:
-            chunks = self._stream_chunks(request_id, request)
+            chunks = self._stream_chunks(request_id, outputs, request)
             events = self.stream_events(request_id, chunks)
             return StreamingResponse(events, media_type="text/event-stream")
-        final = await self.wait_for_final_output(request_id, raw_request)
+        final = await self.wait_for_final_output(request_id, outputs, raw_request)
         choices = [self._choice(output, 0) for output in final.outputs]
         response = CompletionResponse(
             id=request_id,
@@ -61,12 +62,12 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def _stream_chunks(
-        self, request_id: str, request: CompletionRequest
+        self, request_id: str, outputs: AsyncIterator[RequestOutput], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
         num_completion_tokens = 0
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
         last = None
-        async for output in self.engine.stream_outputs(request_id):
+        async for output in outputs:
             last = output
             choices = []
             for completion in output.outputs:

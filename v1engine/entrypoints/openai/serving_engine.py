@@ -28,6 +28,9 @@ from v1engine.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+# Most alternatives per token a request may ask for (vLLM's default max_logprobs): every step
+# sends them all from the engine, so an unbounded count would flood it.
+MAX_LOGPROBS = 20
 
 
 class OpenAIServing:
@@ -63,6 +66,12 @@ class OpenAIServing:
                 HTTPStatus.NOT_FOUND,
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
+        if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"{param} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}", param=param
             )
 
     def make_sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
@@ -102,24 +111,26 @@ class OpenAIServing:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind,
-    ) -> str:
-        """Adds the request to the engine; returns its id.
+    ) -> tuple[str, AsyncIterator[RequestOutput]]:
+        """Adds the request to the engine; returns its id and its outputs.
 
         Raises:
             APIError: 400 when the engine refuses the input, 503 when the engine is dead.
         """
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            await self.engine.add_request(
+            outputs = await self.engine.add_request(
                 request_id, prompt, prompt_token_ids, params, output_kind
             )
         except ValueError as e:
             raise APIError.bad_request(e) from e
         except EngineDeadError as e:
             raise APIError.engine_dead(str(e)) from e
-        return request_id
+        return request_id, outputs
 
-    async def wait_for_final_output(self, request_id: str, raw_request: Request) -> RequestOutput:
+    async def wait_for_final_output(
+        self, request_id: str, outputs: AsyncIterator[RequestOutput], raw_request: Request
+    ) -> RequestOutput:
         """The request's final output; aborts it if the client disconnects first.
 
         Raises:
@@ -128,7 +139,7 @@ class OpenAIServing:
         watcher = asyncio.create_task(_abort_on_disconnect(raw_request, self.engine, request_id))
         try:
             final = None
-            async for output in self.engine.stream_outputs(request_id):
+            async for output in outputs:
                 final = output
             assert final is not None and final.finished
             return final
@@ -145,13 +156,13 @@ class OpenAIServing:
         """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
 
         The client disconnecting cancels this generator (Starlette does), which closes the
-        request's `stream_outputs` and so aborts it.
+        request's outputs and so aborts it.
         """
         try:
             async for chunk in chunks:
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as e:
-            logger.warning("stream %s ended by the engine's death", request_id)
+            logger.debug("stream %s ended by the engine's death", request_id)
             yield APIError.engine_dead(str(e)).to_sse()
         yield SSE_DONE
 

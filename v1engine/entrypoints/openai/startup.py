@@ -39,7 +39,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def served_model_names(names: list[str] | None, model_arg: str | None, model_path: str) -> list:
+def served_model_names(
+    names: list[str] | None, model_arg: str | None, model_path: str
+) -> list[str]:
     """`--served-model-name` if given, else `--model` as typed (as vLLM), else the default
     model's file name without its extension.
     """
@@ -62,7 +64,7 @@ def kv_cache_num_blocks(worker: Any) -> int:
 def describe_kv_capacity(num_blocks: int | None, block_size: int, max_model_len: int) -> str:
     if num_blocks is None:
         return "KV cache size unknown"
-    num_tokens = max(num_blocks - 1, 0) * block_size  # block 0 is the reserved null block
+    num_tokens = num_blocks * block_size
     return (
         f"KV cache {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens "
         f"({num_tokens / max_model_len:.1f}x max_model_len {max_model_len})"

@@ -1,0 +1,142 @@
+"""A real `python -m v1engine.serve` subprocess for tests, and the tiny checkpoint it serves.
+
+The server listens on port 0 and its start-up line (logged to a file, so no pipe can fill up)
+says which port it got. Its engine core and workers are named after their own pids, so the
+leak fixture cannot see their resources: `assert_gone` checks them by pid and name.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+
+from tests.model.checkpoints import make_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+STARTUP_TIMEOUT_S = 180.0
+_LISTENING = re.compile(r"listening on http://([^ ]+):(\d+)")
+
+
+def make_tiny_checkpoint(directory: str) -> str:
+    """A random 2-layer llama with SmolLM2's vocabulary, and SmolLM2's tokenizer (and chat
+    template) beside it, so the server has real text in and out. Nothing downloads."""
+    from transformers import AutoTokenizer
+
+    from v1engine.model.hf_config import default_model_path, prepare_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_checkpoint(default_model_path()))
+    path = make_checkpoint(
+        directory,
+        "llama",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class RemoteServer:
+    """Starts the server; `url`, `port`, `proc` once `wait_ready()` returned."""
+
+    def __init__(self, model: str, log_dir: str, *extra_args: str, tp: int = 2) -> None:
+        self.log_path = os.path.join(log_dir, f"server-{time.monotonic_ns()}.log")
+        args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", "0"]
+        args += ["--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp)]
+        args += ["--max-model-len", "256", "--kv-cache-memory-bytes", str(8 << 20)]
+        args += list(extra_args)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.port: int | None = None
+        self.descendants: list[int] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self) -> RemoteServer:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while self.port is None:
+            match = _LISTENING.search(self.log_text())
+            if match:
+                self.port = int(match.group(2))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server did not start:\n{self.log_text()[-5000:]}")
+            else:
+                time.sleep(0.2)
+        while httpx.get(self.url + "/health").status_code != 200:
+            time.sleep(0.1)
+        self.descendants = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        return self
+
+    def worker_pids(self) -> list[int]:
+        """The engine core's children: one worker per rank."""
+        core = [p for p in psutil.Process(self.proc.pid).children() if _is_core(p)]
+        assert len(core) == 1, core
+        return [p.pid for p in core[0].children()]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        """Sends `sig`, waits for the exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.descendants:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+    def assert_gone(self, limit_s: float = 15.0) -> None:
+        """Every process the server started has exited, and nothing named after them is left
+        in /dev/shm or the temp directory."""
+        pids = [self.proc.pid, *self.descendants]
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and (
+            any(_alive(p) for p in pids) or any(_leftovers(p) for p in pids)
+        ):
+            time.sleep(0.1)
+        alive = [p for p in pids if _alive(p)]
+        leftovers = [path for p in pids for path in _leftovers(p)]
+        assert not alive, f"processes left running: {alive}"
+        assert not leftovers, f"resources left behind: {leftovers}"
+
+
+def _is_core(proc: psutil.Process) -> bool:
+    try:
+        return "resource_tracker" not in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _leftovers(pid: int) -> list[str]:
+    prefix = f"v1engine-{pid}-"
+    return glob.glob(f"/dev/shm/{prefix}*") + glob.glob(f"{tempfile.gettempdir()}/{prefix}*")

@@ -1,0 +1,184 @@
+"""The API server's app and AsyncEngine in-process, over a fake engine client: the paths that are
+hard to time against a real engine (its death mid-request, a stop string the core does not see, a
+cancelled stream, a refused n > 1 child). No processes are started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from v1engine.config import EngineConfig
+from v1engine.core.core_client import EngineDeadError
+from v1engine.engine_args import EngineArgs
+from v1engine.entrypoints.openai.api_server import build_app, build_state
+from v1engine.entrypoints.openai.async_engine import AsyncEngine
+from v1engine.entrypoints.openai.metrics import ServerMetrics
+from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from v1engine.sampling_params import SamplingParams
+from v1engine.serve import make_arg_parser
+
+
+class FakeClient:
+    """The AsyncMPClient surface: records adds and aborts; the test feeds outputs."""
+
+    def __init__(self, refuse_after: int | None = None) -> None:
+        self.added: list = []
+        self.aborted: list[str] = []
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.refuse_after = refuse_after
+
+    async def add_request(self, request) -> None:
+        if self.refuse_after is not None and len(self.added) >= self.refuse_after:
+            raise ValueError("request refused")
+        self.added.append(request)
+
+    async def abort_requests(self, request_ids) -> None:
+        self.aborted.extend(request_ids)
+
+    async def get_output(self) -> EngineCoreOutputs:
+        item = await self.outputs.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def push(self, request_id: str, token_ids: list[int], finish: str | None = None) -> None:
+        reason = None if finish is None else FinishReason(finish)
+        output = EngineCoreOutput(request_id, token_ids, finish_reason=reason)
+        self.outputs.put_nowait(EngineCoreOutputs(outputs=[output]))
+
+    async def wait_added(self, count: int) -> list:
+        while len(self.added) < count:
+            await asyncio.sleep(0.01)
+        return self.added
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _make(tokenizer, client: FakeClient) -> tuple[AsyncEngine, httpx.AsyncClient, list]:
+    dead_calls: list[bool] = []
+    engine = AsyncEngine(client, tokenizer, EngineConfig(), ServerMetrics())
+    engine.start(on_dead=lambda: dead_calls.append(True))
+    app = build_app(build_state(engine, tokenizer, ["m"], "/model"))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
+    return engine, http, dead_calls
+
+
+def _finished(engine: AsyncEngine, outcome: str) -> float:
+    registry = engine.metrics.registry
+    return registry.get_sample_value("v1engine:requests_total", {"outcome": outcome})
+
+
+def _body(stream: bool = False, **extra) -> dict:
+    return {"model": "m", "prompt": "hello", "max_tokens": 50, "stream": stream, **extra}
+
+
+def test_engine_death_fails_requests_turns_health_503_and_stops_the_server(tokenizer):
+    async def scenario():
+        client = FakeClient()
+        engine, http, dead_calls = _make(tokenizer, client)
+        whole = asyncio.create_task(http.post("/v1/completions", json=_body()))
+        stream = asyncio.create_task(http.post("/v1/completions", json=_body(stream=True)))
+        added = await client.wait_added(2)
+        for request in added:
+            client.push(request.request_id, [28])
+        await asyncio.sleep(0.05)
+        client.outputs.put_nowait(EngineDeadError("worker rank 1 died"))
+        whole, stream = await whole, await stream
+        health = await http.get("/health")
+        late = await http.post("/v1/completions", json=_body())
+        await engine.stop()
+        return whole, stream, health, late, dead_calls
+
+    whole, stream, health, late, dead_calls = asyncio.run(scenario())
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "engine_dead"
+    assert "worker rank 1 died" in whole.json()["error"]["message"]
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert events[-1] == "[DONE]"
+    assert health.status_code == 503 and late.status_code == 503
+    assert dead_calls == [True]
+
+
+def test_stop_string_finishes_the_request_and_aborts_it_in_the_core(tokenizer):
+    token_ids = tokenizer.encode(" one two three four")
+
+    async def scenario():
+        client = FakeClient()
+        engine, http, _ = _make(tokenizer, client)
+        response = asyncio.create_task(http.post("/v1/completions", json=_body(stop="three")))
+        (request,) = await client.wait_added(1)
+        for token_id in token_ids:
+            client.push(request.request_id, [token_id])
+        response = await response
+        await engine.stop()
+        return response, request, client, engine
+
+    response, request, client, engine = asyncio.run(scenario())
+    choice = response.json()["choices"][0]
+    assert choice["text"] == " one two " and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == "three"
+    assert client.aborted == [request.request_id]
+    assert _finished(engine, "stop") == 1
+
+
+def test_leaving_a_stream_early_aborts_the_request(tokenizer):
+    async def scenario():
+        client = FakeClient()
+        engine, _, _ = _make(tokenizer, client)
+        outputs = await engine.add_request(
+            "r", "hi", [1, 2], SamplingParams(max_tokens=50), "delta"
+        )
+        (request,) = client.added
+
+        async def read() -> None:
+            async for _ in outputs:
+                pass
+
+        reader = asyncio.create_task(read())
+        client.push(request.request_id, [28])
+        await asyncio.sleep(0.05)
+        reader.cancel()  # what Starlette does when the client disconnects
+        await asyncio.gather(reader, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        await engine.stop()
+        return client, engine
+
+    client, engine = asyncio.run(scenario())
+    assert client.aborted == ["0_r"]
+    assert not engine.output_processor.has_unfinished_requests()
+    assert _finished(engine, "abort") == 1
+
+
+def test_a_refused_child_leaves_nothing_running(tokenizer):
+    async def scenario():
+        client = FakeClient(refuse_after=1)
+        engine, http, _ = _make(tokenizer, client)
+        response = await http.post("/v1/completions", json=_body(n=2))
+        await asyncio.sleep(0.01)
+        await engine.stop()
+        return response, client, engine
+
+    response, client, engine = asyncio.run(scenario())
+    assert response.status_code == 400 and "refused" in response.json()["error"]["message"]
+    assert client.aborted == [client.added[0].request_id]
+    assert not engine.output_processor.has_unfinished_requests()
+    assert not engine._queues
+
+
+def test_every_engine_arg_is_a_flag():
+    parser = make_arg_parser()
+    args = parser.parse_args([])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    args = parser.parse_args(["--tensor-parallel-size", "2", "--no-enable-prefix-caching"])
+    assert EngineArgs.from_cli_args(args).tensor_parallel_size == 2
+    assert EngineArgs.from_cli_args(args).enable_prefix_caching is False

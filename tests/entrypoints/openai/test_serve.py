@@ -1,0 +1,272 @@
+"""`python -m v1engine.serve` end to end: a real server subprocess (tiny random llama with SmolLM2's
+tokenizer, TP=2 on CPU) driven by the official `openai` client.
+
+One server serves the whole module (started before the first test's leak snapshot); it requires
+an API key, so every client here sends one and the 401 tests omit or garble it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.server_utils import RemoteServer
+
+API_KEY = "test-key"
+MODEL = "tiny"
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+PROMPTS = [f"Prompt number {i}: the quick brown fox" + " jumps" * i for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log_dir = str(tmp_path_factory.mktemp("server_logs"))
+    remote = RemoteServer(tiny_model, log_dir, "--api-key", API_KEY, "--served-model-name", MODEL)
+    try:
+        remote.wait_ready()
+        yield remote
+        assert remote.stop() == 0, remote.log_text()[-3000:]
+        remote.assert_gone()
+    finally:
+        remote.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _metric(server: RemoteServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+# -- plain endpoints -------------------------------------------------------------------------------
+def test_models_health_version_and_startup_line(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json() == {"version": "0.1.0"}
+    line = next(s for s in server.log_text().splitlines() if "listening on" in s)
+    for part in ("tensor_parallel_size=2", "device=cpu", "KV cache 2048 blocks", MODEL):
+        assert part in line
+
+
+# -- completions and chat --------------------------------------------------------------------------
+def test_completion_text_and_token_prompts(client):
+    text = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, **GREEDY)
+    choice = text.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert text.usage.completion_tokens == 6
+    assert text.usage.total_tokens == text.usage.prompt_tokens + 6
+    token_ids = [19556, 905, 28, 253]
+    ids = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=6, **GREEDY)
+    assert ids.usage.prompt_tokens == 4 and ids.choices[0].text
+
+
+def test_chat_uses_the_chat_template(client):
+    tokenizer_prompt_len = 31  # SmolLM2's template: its system prompt plus the user turn
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, **GREEDY
+    )
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.usage.prompt_tokens == tokenizer_prompt_len
+    assert reply.usage.completion_tokens == 5
+
+
+def test_streaming_equals_whole_with_usage(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, **GREEDY)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_streaming_equals_whole_with_usage(client):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **GREEDY)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_seed_and_sampling(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, n=3, temperature=1.0, seed=7)
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1  # the n samples differ (seed + index)
+    other = client.completions.create(**{**kwargs, "seed": 8})
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
+    assert first.usage.completion_tokens == 24
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, **GREEDY)
+    text = base.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=12, stop=[stop], **GREEDY
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=12, stop=stop, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPTS[4], max_tokens=4, logprobs=2, **GREEDY
+    )
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert "".join(logprobs.tokens) == out.choices[0].text
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert value <= 0 and len(top) == 2 and top[token] == value == max(top.values())
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=3,
+        **GREEDY,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == entry.top_logprobs[0].logprob
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_api_key_is_required(server):
+    for key in (None, "wrong"):
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        response = httpx.get(server.url + "/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert httpx.get(server.url + "/health").status_code == 200  # not behind the key
+
+
+def test_error_statuses(server, client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
+        client.completions.create(model=MODEL, prompt="hi " * 300, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1000)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="temperature") as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=0, max_tokens=1
+        )
+    with pytest.raises(openai.BadRequestError, match="logprobs must be in"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)
+    response = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"model": "tiny", "prompt": ',
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert "malformed JSON" in response.json()["error"]["message"]
+    # None of that disturbed the engine.
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage
+
+
+# -- disconnects and load --------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_request(server, stream):
+    aborted_before = _metric(server, 'v1engine:requests_total{outcome="abort"}')
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 240, "stream": stream}
+    body.update(ignore_eos=True)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.url + "/v1/completions"
+    if stream:
+        with httpx.stream("POST", url, json=body, headers=headers) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk arrived: the request is running; hang up
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # 240 tokens take longer: the client gives up
+            httpx.post(url, json=body, headers=headers, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 20
+    while _metric(server, 'v1engine:requests_total{outcome="abort"}') == aborted_before:
+        assert time.monotonic() < deadline, "the disconnected request was never aborted"
+        time.sleep(0.1)
+    assert _metric(server, "v1engine:num_requests_running") == 0
+
+
+def test_200_concurrent_streams_equal_requests_made_alone(server, client):
+    alone = {
+        p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, **GREEDY).choices[0].text
+        for p in PROMPTS
+    }
+    finished_before = _metric(server, 'v1engine:requests_total{outcome="length"}')
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(200)]
+    results = asyncio.run(_stream_all(server, prompts))
+    assert len(results) == 200
+    for prompt, (text, finish_reason, num_tokens) in zip(prompts, results):
+        assert (text, finish_reason, num_tokens) == (alone[prompt], "length", 8)
+    finished = _metric(server, 'v1engine:requests_total{outcome="length"}') - finished_before
+    assert finished == 200
+
+
+async def _stream_all(server: RemoteServer, prompts: list[str]) -> list[tuple[str, str, int]]:
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120
+    ) as client:
+
+        async def one(prompt: str) -> tuple[str, str, int]:
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+            chunks = [chunk async for chunk in stream]
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            return text, finish, chunks[-1].usage.completion_tokens
+
+        return await asyncio.gather(*(one(p) for p in prompts))

@@ -1,0 +1,94 @@
+"""The server under faults, each with its own server subprocess: a worker SIGKILLed while streams
+are open, and SIGTERM during load. Nothing may hang and nothing may be left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.server_utils import RemoteServer
+
+MODEL = "tiny"
+NUM_STREAMS = 20
+_EXTRA = {"ignore_eos": True}
+
+
+@pytest.fixture
+def server(tiny_model, tmp_path):
+    remote = RemoteServer(tiny_model, str(tmp_path), "--served-model-name", MODEL)
+    try:
+        yield remote.wait_ready()
+    finally:
+        remote.kill()
+
+
+async def _open_stream(client: openai.AsyncOpenAI, max_tokens: int, started: asyncio.Event):
+    """Streams one completion; returns ("done", n_chunks) or ("error", exception)."""
+    num_chunks = 0
+    try:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body=_EXTRA,
+        )
+        async for _ in stream:
+            num_chunks += 1
+            started.set()
+        return "done", num_chunks
+    except (openai.APIError, openai.APIConnectionError) as e:
+        return "error", e
+
+
+async def _complete_whole(client: openai.AsyncOpenAI, max_tokens: int):
+    try:
+        await client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=max_tokens, extra_body=_EXTRA
+        )
+        return "done", None
+    except openai.APIError as e:
+        return "error", e
+
+
+async def _load_then(server: RemoteServer, max_tokens: int, action) -> list:
+    """Opens NUM_STREAMS streams and two whole requests, runs `action` once every stream has
+    produced output, and returns every request's result."""
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60
+    ) as client:
+        events = [asyncio.Event() for _ in range(NUM_STREAMS)]
+        tasks = [asyncio.create_task(_open_stream(client, max_tokens, e)) for e in events]
+        tasks += [asyncio.create_task(_complete_whole(client, max_tokens)) for _ in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        action()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+
+def test_worker_sigkill_fails_every_request_and_exits_nonzero(server):
+    worker = server.worker_pids()[-1]
+    results = asyncio.run(_load_then(server, 240, lambda: os.kill(worker, signal.SIGKILL)))
+    assert [status for status, _ in results] == ["error"] * (NUM_STREAMS + 2)
+    for _, error in results[-2:]:  # the whole (non-streaming) requests: a 503 response
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+    start = time.monotonic()
+    exit_code = server.proc.wait(60)
+    assert exit_code == 1, server.log_text()[-3000:]
+    assert time.monotonic() - start < 30
+    server.assert_gone()
+    assert "engine is dead" in server.log_text()
+
+
+def test_sigterm_during_load_exits_cleanly(server):
+    results = asyncio.run(_load_then(server, 48, lambda: server.proc.send_signal(signal.SIGTERM)))
+    # Running responses may finish within the grace period; none may hang.
+    assert len(results) == NUM_STREAMS + 2
+    assert server.proc.wait(60) == 0, server.log_text()[-3000:]
+    server.assert_gone()
+    assert "server stopped" in server.log_text()

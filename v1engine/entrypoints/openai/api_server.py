@@ -1,0 +1,250 @@
+"""The OpenAI-compatible API server: the FastAPI app, its routes, and `run_server`.
+
+Processes: this one (uvicorn, tokenizer, detokenizer, one AsyncEngine output loop) -> the
+engine core process -> one worker per device. Lifetime:
+- start-up: bind the socket, start the engine (Ctrl-C or SIGTERM here stops it cleanly), log
+  one line, serve;
+- SIGINT/SIGTERM while serving: uvicorn stops accepting, lets running responses finish for up
+  to `_GRACEFUL_SHUTDOWN_S`, cancels the rest (which aborts them); then the engine stops and
+  the process exits 0;
+- the engine dying: `/health` turns 503, every request in flight ends with a 503 error (an
+  error event in a stream), the server shuts down the same way and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import signal
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from v1engine import __version__
+from v1engine.config import EngineConfig
+from v1engine.core.core_client import EngineCoreClient
+from v1engine.engine.tokenizer import load_tokenizer
+from v1engine.engine_args import EngineArgs
+from v1engine.entrypoints.openai.async_engine import AsyncEngine
+from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
+from v1engine.entrypoints.openai.metrics import ServerMetrics
+from v1engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.entrypoints.openai.startup import (
+    bind_socket,
+    describe_kv_capacity,
+    kv_cache_num_blocks,
+    log_startup_line,
+    served_model_names,
+)
+from v1engine.logger import init_logger
+
+logger = init_logger(__name__)
+
+_GRACEFUL_SHUTDOWN_S = 5.0
+_KV_QUERY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    metrics: ServerMetrics
+    model_path: str
+
+
+# -- routes -------------------------------------------------------------------------------------
+router = APIRouter()
+
+
+def _state(raw_request: Request) -> ServerState:
+    return raw_request.app.state.server
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    engine = _state(raw_request).engine
+    if engine.dead_reason is not None:
+        return APIError.engine_dead(engine.dead_reason).to_response()
+    return Response(status_code=HTTPStatus.OK)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def show_models(raw_request: Request) -> JSONResponse:
+    state = _state(raw_request)
+    serving = state.completion
+    cards = [
+        ModelCard(id=name, root=state.model_path, max_model_len=serving.max_model_len)
+        for name in serving.served_model_names
+    ]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).completion.create_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).chat.create_chat_completion(request, raw_request)
+
+
+class APIKeyMiddleware:
+    """401 for a /v1 request without `Authorization: Bearer <api_key>`. Plain ASGI, so it runs
+    before the body is parsed and never wraps a streaming response.
+    """
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "missing API key" if not given else "incorrect API key provided"
+                error = APIError(
+                    f"{message}; send it as the header 'Authorization: Bearer <key>'",
+                    HTTPStatus.UNAUTHORIZED,
+                    code="invalid_api_key",
+                )
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="v1engine", version=__version__)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(router)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def build_state(
+    engine: AsyncEngine, tokenizer: Any, names: list[str], model_path: str
+) -> ServerState:
+    max_model_len = engine.config.scheduler_config.max_model_len
+    return ServerState(
+        engine=engine,
+        completion=OpenAIServingCompletion(engine, tokenizer, names, max_model_len),
+        chat=OpenAIServingChat(engine, tokenizer, names, max_model_len),
+        metrics=engine.metrics,
+        model_path=model_path,
+    )
+
+
+# -- running --------------------------------------------------------------------------------------
+def run_server(args: argparse.Namespace) -> int:
+    """Runs the server until a signal (returns 0) or the engine's death (returns 1).
+
+    Raises:
+        ValueError / RuntimeError: bad arguments, a busy port, or an engine that cannot start.
+    """
+    # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.model is None:
+        from v1engine.model.hf_config import default_model_path
+
+        engine_args.model = default_model_path()
+    config = engine_args.create_engine_config()
+    tokenizer = load_tokenizer(config.model_config)
+    names = served_model_names(args.served_model_name, args.model, engine_args.model)
+    sock = bind_socket(args.host, args.port)
+    try:
+        # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
+        client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
+        try:
+            state = build_state(
+                AsyncEngine(client, tokenizer, config, ServerMetrics()),
+                tokenizer,
+                names,
+                engine_args.model,
+            )
+            return asyncio.run(_serve(args, state, sock))
+        finally:
+            client.shutdown()
+    finally:
+        sock.close()
+
+
+async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
+    engine = state.engine
+    config: EngineConfig = engine.config
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(state, args.api_key),
+            log_level=args.uvicorn_log_level,
+            access_log=args.uvicorn_log_level in ("debug", "trace"),
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            lifespan="off",
+        )
+    )
+    engine.start(on_dead=lambda: setattr(server, "should_exit", True))
+    try:
+        num_blocks = await _query_kv_cache_num_blocks(engine)
+        kv = describe_kv_capacity(
+            num_blocks, config.cache_config.block_size, config.scheduler_config.max_model_len
+        )
+        names = state.completion.served_model_names
+        log_startup_line(sock.getsockname(), state.model_path, names, config, kv)
+        # uvicorn handles SIGINT/SIGTERM while serving, then restores these handlers and
+        # re-raises the signal it caught: that must not kill the process before clean-up.
+        signal.signal(signal.SIGINT, _note_signal)
+        signal.signal(signal.SIGTERM, _note_signal)
+        await server.serve(sockets=[sock])
+        engine_died = engine.is_dead
+    finally:
+        await engine.stop()
+        engine.client.shutdown()
+    if engine_died:
+        logger.error("exiting with status 1: the engine died (%s)", engine.dead_reason)
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+async def _query_kv_cache_num_blocks(engine: AsyncEngine) -> int | None:
+    try:
+        return await engine.client.collective_rpc(
+            kv_cache_num_blocks, timeout=_KV_QUERY_TIMEOUT_S, unique_reply_rank=0
+        )
+    except Exception as e:  # a custom worker_cls without a model runner: size unknown
+        logger.warning("could not read the KV cache size from the workers: %s", e)
+        return None
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _note_signal(signum: int, frame: Any) -> None:
+    logger.info("received %s; shutting down", signal.Signals(signum).name)

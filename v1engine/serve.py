@@ -1,0 +1,67 @@
+"""`python -m v1engine.serve`: the OpenAI-compatible HTTP server.
+
+    python -m v1engine.serve                                   # the embedded SmolLM2 model
+    python -m v1engine.serve --model /path/to/hf_dir --tensor-parallel-size 2 --port 8000
+
+Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--device`, `--dtype`,
+`--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below. Exits 0 after
+SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from v1engine.engine_args import EngineArgs
+from v1engine.logger import init_logger
+
+# Not __name__: run as `python -m`, this module is "__main__".
+logger = init_logger("v1engine.serve")
+
+_UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def make_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m v1engine.serve",
+        description="OpenAI-compatible HTTP server for one node (one worker per device).",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    server.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use as `model` (default: --model as given)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=_UVICORN_LOG_LEVELS,
+        help="uvicorn's own log level (debug also logs each request)",
+    )
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_arg_parser().parse_args(argv)
+    from v1engine.entrypoints.openai.api_server import run_server
+
+    try:
+        return run_server(args)
+    except (ValueError, RuntimeError) as e:
+        logger.error("cannot start the server: %s", e)
+        return 2
+    except KeyboardInterrupt:
+        logger.info("interrupted during start-up")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
