@@ -147,15 +147,22 @@ def main() -> None:
     ours, theirs = results
     ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
     for r in results:
-        print(f"{r['system']:>12}: {r['output_tokens_per_s']:8.1f} output tokens/s "
-              f"(median of {r['repeats']}: {r['median_s']:.2f} s)")
+        print(
+            f"{r['system']:>12}: {r['output_tokens_per_s']:8.1f} output tokens/s "
+            f"(median of {r['repeats']}: {r['median_s']:.2f} s)"
+        )
     print(f"v1engine / transformers = {ratio:.2f}x")
     if args.json:
-        machine = {"cores": os.cpu_count(), "torch": torch.__version__, "device": "cpu",
-                   "python": platform.python_version()}
+        machine = {
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "device": "cpu",
+            "python": platform.python_version(),
+        }
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": results, "ratio": round(ratio, 3)}, f,
-                      indent=2)
+            json.dump(
+                {"machine": machine, "results": results, "ratio": round(ratio, 3)}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -126,9 +126,7 @@ def make_error(result: UtilityResult) -> Exception:
     return RuntimeError(f"{result.error_type}: {result.error_message}")
 
 
-def check_request(
-    request: EngineCoreRequest, info: EngineInfo, live_ids: Collection[str]
-) -> None:
+def check_request(request: EngineCoreRequest, info: EngineInfo, live_ids: Collection[str]) -> None:
     """The checks of `EngineCore.add_request`, run in the client so bad input raises at once.
 
     Raises:
