@@ -4,7 +4,8 @@ Both run the same requests in the same run: N prompts of random token ids with s
 prompt and output lengths, greedy, EOS ignored so every request produces exactly its output length.
 transformers gets its best honest shape: requests sorted by output length and generated in
 left-padded batches, so padding waste is small; only the requested output tokens count for either
-system. Same weights (the default SmolLM2 GGUF, dequantized), same dtype, same thread count.
+system. Same weights (the default SmolLM2 GGUF, dequantized), same dtype, same thread count. The
+prefix cache is emptied before each v1engine run, so no repeat reuses an earlier one's prefill.
 
     python scripts/bench_throughput.py --num-requests 64 --repeats 3 --json throughput.json
 """
@@ -38,6 +39,10 @@ def run_v1engine(llm: Any, requests: list[tuple[list[int], int]]) -> float:
     from v1engine.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    # Every repeat sends the same prompts: without this the prefix cache would skip their
+    # prefill after the first repeat, and the two systems would no longer do the same work.
+    if not llm.engine_core.reset_prefix_cache():
+        raise RuntimeError("could not reset the prefix cache: requests are still running")
     start = time.perf_counter()
     outputs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
