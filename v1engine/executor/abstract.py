@@ -81,7 +81,8 @@ class Executor(ABC):
                 from v1engine.executor.ray_executor import RayExecutor
             except ImportError as e:
                 raise ValueError(
-                    "distributed_executor_backend='ray' needs Ray: pip install 'v1engine[ray]'"
+                    f"distributed_executor_backend='ray' is unavailable ({e}); it needs Ray "
+                    "(pip install 'v1engine[ray]'); use 'mp' on one node"
                 ) from e
             return RayExecutor
         raise ValueError(f"unknown distributed_executor_backend {backend!r}")
