@@ -8,12 +8,9 @@ cannot see them: tests that stop or kill an engine check them by name (`wait_no_
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -25,13 +22,8 @@ from tests.core.counting_worker import (
     make_config,
     rank_times,
 )
-from tests.core.engine_proc_utils import (
-    alive,
-    collect,
-    core_request,
-    wait_gone,
-    wait_no_leftovers,
-)
+from tests.core.engine_proc_utils import collect, core_request
+from tests.process_utils import alive, start_json_script, wait_gone, wait_no_leftovers
 from v1engine.core.core_client import (
     AsyncMPClient,
     EngineCoreClient,
@@ -44,7 +36,6 @@ from v1engine.executor.errors import WorkerError
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEAD_WITHIN_S = 2.0
 
 
@@ -312,27 +303,13 @@ async def _exercise_async_client(client: AsyncMPClient) -> None:
 
 
 # -- the client's death -----------------------------------------------------------------------
-def _start_client_script(mode: str) -> tuple[subprocess.Popen, dict]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.core.client_script", mode],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    proc.stdout.close()
-    if not line:
-        proc.kill()
-        proc.wait()
-        pytest.fail("the client script did not start its engine")
-    return proc, json.loads(line)
-
-
 @pytest.mark.parametrize("mode", ["sigkill", "exit"])
 def test_core_exits_with_its_client(mode):
     """SIGKILL of the client mid-generation, or its exit without shutdown(): the core and its
     workers exit and remove everything, the client's ipc directory included."""
-    proc, info = _start_client_script("wait" if mode == "sigkill" else "exit")
+    proc, info = start_json_script(
+        "tests.core.client_script", "wait" if mode == "sigkill" else "exit"
+    )
     if mode == "sigkill":
         proc.kill()
     assert proc.wait(timeout=30) == (-signal.SIGKILL if mode == "sigkill" else 0)

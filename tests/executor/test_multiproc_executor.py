@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.executor.rpc_worker import rank_times
+from tests.process_utils import alive
 from v1engine.config import EngineConfig, ParallelConfig
 from v1engine.executor.abstract import Executor
 from v1engine.executor.errors import WorkerDiedError, WorkerError
@@ -174,7 +175,7 @@ def test_shutdown_is_idempotent_and_later_calls_fail(executor):
     executor.shutdown()
     executor.shutdown()
     for pid in pids:
-        assert not _alive(pid)
+        assert not alive(pid)
     with pytest.raises(RuntimeError, match="shut down"):
         executor.collective_rpc("get_rank")
 
@@ -184,29 +185,3 @@ def test_get_class_picks_the_backend():
     from v1engine.executor.uniproc_executor import UniProcExecutor
 
     assert Executor.get_class(make_config(tp=1, backend="uni")) is UniProcExecutor
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent, the test process, has not reaped it yet).
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):
-    from tests.executor.rpc_worker import ignore_sigterm_and_sleep
-
-    pids = executor.collective_rpc("get_pid")
-    executor.collective_rpc(ignore_sigterm_and_sleep, args=(120.0,), non_block=True)
-    time.sleep(0.3)
-    start = time.monotonic()
-    executor.shutdown()
-    assert time.monotonic() - start < 20
-    for pid in pids:
-        assert not _alive(pid)

@@ -7,19 +7,18 @@ leak fixture cannot see their resources: `assert_gone` checks them by pid and na
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
 import psutil
 
 from tests.model.checkpoints import make_checkpoint
+from tests.process_utils import alive, leftovers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_TIMEOUT_S = 180.0
@@ -104,7 +103,7 @@ class RemoteServer:
             self.proc.kill()
             self.proc.wait()
         for pid in self.descendants:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.log.close()
 
@@ -114,13 +113,13 @@ class RemoteServer:
         pids = [self.proc.pid, *self.descendants]
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and (
-            any(_alive(p) for p in pids) or any(_leftovers(p) for p in pids)
+            any(alive(p) for p in pids) or any(leftovers(p) for p in pids)
         ):
             time.sleep(0.1)
-        alive = [p for p in pids if _alive(p)]
-        leftovers = [path for p in pids for path in _leftovers(p)]
-        assert not alive, f"processes left running: {alive}"
-        assert not leftovers, f"resources left behind: {leftovers}"
+        running = [p for p in pids if alive(p)]
+        left = [path for p in pids for path in leftovers(p)]
+        assert not running, f"processes left running: {running}"
+        assert not left, f"resources left behind: {left}"
 
 
 def _is_core(proc: psutil.Process) -> bool:
@@ -128,15 +127,3 @@ def _is_core(proc: psutil.Process) -> bool:
         return "resource_tracker" not in " ".join(proc.cmdline())
     except psutil.Error:
         return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _leftovers(pid: int) -> list[str]:
-    prefix = f"v1engine-{pid}-"
-    return glob.glob(f"/dev/shm/{prefix}*") + glob.glob(f"{tempfile.gettempdir()}/{prefix}*")

@@ -1,0 +1,67 @@
+"""Helpers for tests that watch processes from outside: an engine in a subprocess, workers that
+must exit, leftovers named after the process that made them (see `make_ipc_dir`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as dead."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], limit_s: float) -> float:
+    """Seconds until every pid exited; after `limit_s` kills the rest and fails the test."""
+    start = time.monotonic()
+    while any(alive(p) for p in pids):
+        if time.monotonic() - start > limit_s:
+            for pid in filter(alive, pids):
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"processes still running after {limit_s} s: {pids}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def leftovers(pid: int) -> list[str]:
+    """/dev/shm entries and ipc directories named after process `pid` (see make_ipc_dir)."""
+    prefix = f"v1engine-{pid}-"
+    return glob.glob(f"/dev/shm/{prefix}*") + glob.glob(f"{tempfile.gettempdir()}/{prefix}*")
+
+
+def wait_no_leftovers(pid: int, limit_s: float = 5.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while leftovers(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not leftovers(pid)
+
+
+def start_json_script(module: str, mode: str) -> tuple[subprocess.Popen, dict]:
+    """Runs `python -m module mode` from the repository root and returns it with the JSON object
+    it prints on its first line (what it started: pids, paths)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, mode], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()
+    proc.stdout.close()
+    if not line:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"{module} {mode} exited before reporting what it started")
+    return proc, json.loads(line)
