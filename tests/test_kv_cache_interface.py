@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+from tests import kv_specs
 from v1engine.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
@@ -19,15 +20,11 @@ from v1engine.kv_cache_interface import (
     cdiv,
 )
 
-
-def full(**overrides) -> FullAttentionSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return FullAttentionSpec(**{**kwargs, **overrides})
+full = kv_specs.full
 
 
 def sliding(**overrides) -> SlidingWindowSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return SlidingWindowSpec(**{**kwargs, "sliding_window": 128, **overrides})
+    return kv_specs.sliding(**{"sliding_window": 128, **overrides})
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.kv_specs import full, sliding
 from v1engine.core.kv_cache_grouping import (
     KVCachePageSizeError,
     bytes_per_block,
@@ -14,25 +14,13 @@ from v1engine.core.kv_cache_grouping import (
     unify_kv_cache_spec_page_size,
 )
 from v1engine.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheGroupSpec,
     KVCacheSpecMismatchError,
     KVCacheTensor,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 
 PAGE = 16 * 2 * 64 * 4 * 2  # bytes of one 16-token block of one default layer
-
-
-def full(**overrides) -> FullAttentionSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return FullAttentionSpec(**{**kwargs, **overrides})
-
-
-def sliding(**overrides) -> SlidingWindowSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return SlidingWindowSpec(**{**kwargs, "sliding_window": 1, **overrides})
 
 
 def names_and_specs(groups: list[KVCacheGroupSpec]) -> list[tuple[list[str], object]]:

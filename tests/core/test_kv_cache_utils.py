@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+from tests.kv_specs import full, sliding
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_utils import (
     check_enough_kv_cache_memory,
@@ -27,16 +28,6 @@ from v1engine.kv_cache_interface import (
 PAGE = 16 * 2 * 64 * 4 * 2  # bytes of one 16-token block of one default layer
 CACHE = CacheConfig()
 SCHED = SchedulerConfig(max_model_len=16)  # one block per full layer, two per sliding layer
-
-
-def full(**overrides) -> FullAttentionSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return FullAttentionSpec(**{**kwargs, **overrides})
-
-
-def sliding(**overrides) -> SlidingWindowSpec:
-    kwargs = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    return SlidingWindowSpec(**{**kwargs, "sliding_window": 1, **overrides})
 
 
 def qwen_layer() -> FullAttentionSpec:  # 0.5 MiB per token over 32 layers
