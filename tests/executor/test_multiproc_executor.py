@@ -185,3 +185,16 @@ def test_get_class_picks_the_backend():
     from v1engine.executor.uniproc_executor import UniProcExecutor
 
     assert Executor.get_class(make_config(tp=1, backend="uni")) is UniProcExecutor
+
+
+def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):
+    from tests.executor.rpc_worker import ignore_sigterm_and_sleep
+
+    pids = executor.collective_rpc("get_pid")
+    executor.collective_rpc(ignore_sigterm_and_sleep, args=(120.0,), non_block=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    executor.shutdown()
+    assert time.monotonic() - start < 20
+    for pid in pids:
+        assert not alive(pid)

@@ -55,6 +55,13 @@ def check_rpc_method(worker_cls: type, method: str | Callable) -> str:
     return method
 
 
+def check_unique_reply_rank(unique_reply_rank: int | None, world_size: int) -> None:
+    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
+        raise ValueError(
+            f"unique_reply_rank must be in [0, {world_size}) or None, got {unique_reply_rank}"
+        )
+
+
 class Executor(ABC):
     """Drives one worker per rank. Subclasses own the processes and the transport.
 

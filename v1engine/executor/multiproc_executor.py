@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from v1engine.executor.abstract import Executor, check_rpc_method
+from v1engine.executor.abstract import Executor, check_rpc_method, check_unique_reply_rank
 from v1engine.executor.errors import WorkerDiedError, WorkerError
 from v1engine.executor.message_queue import MessageQueue, QueueClosedError
 from v1engine.executor.worker_group import WorkerGroup
@@ -67,10 +67,7 @@ class MultiprocExecutor(Executor):
         non_block: bool = False,
     ) -> Any:
         name = check_rpc_method(self.worker_cls, method)
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(
-                f"unique_reply_rank must be in [0, {self.world_size}), got {unique_reply_rank}"
-            )
+        check_unique_reply_rank(unique_reply_rank, self.world_size)
         self._raise_if_dead(name)
         call = self._send(method, name, args, kwargs or {}, timeout, unique_reply_rank)
         if non_block:

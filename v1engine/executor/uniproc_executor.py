@@ -12,7 +12,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from v1engine.executor.abstract import Executor, check_rpc_method, completed_future
+from v1engine.executor.abstract import (
+    Executor,
+    check_rpc_method,
+    check_unique_reply_rank,
+    completed_future,
+)
 from v1engine.executor.errors import RemoteFailure, WorkerError
 
 
@@ -46,8 +51,7 @@ class UniProcExecutor(Executor):
         non_block: bool = False,
     ) -> Any:
         name = check_rpc_method(self.worker_cls, method)
-        if unique_reply_rank not in (None, 0):
-            raise ValueError(f"unique_reply_rank must be 0 or None, got {unique_reply_rank}")
+        check_unique_reply_rank(unique_reply_rank, world_size=1)
         if self._is_shut_down:
             raise RuntimeError("the executor has been shut down")
         fn = getattr(self.worker, method) if isinstance(method, str) else method
