@@ -24,8 +24,10 @@ from v1engine.entrypoints.openai.protocol import (
 )
 from v1engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    StreamTally,
     make_usage,
     sampled_logprobs,
+    stream_steps,
 )
 
 
@@ -87,18 +89,12 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[role])
-        num_completion_tokens, last = 0, None
-        async for output in outputs:
-            last = output
-            choices = []
-            for completion in output.outputs:
-                num_completion_tokens += len(completion.token_ids)
-                if completion.text or completion.finished() or completion.token_ids:
-                    choices.append(_stream_choice(completion, request))
-            if choices:
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
-        if request.include_usage and last is not None:
-            usage = make_usage(last, num_completion_tokens)
+        tally = StreamTally()
+        async for completions in stream_steps(outputs, tally):
+            choices = [_stream_choice(completion, request) for completion in completions]
+            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+        if request.include_usage and tally.last is not None:
+            usage = tally.usage()
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
 
 

@@ -18,8 +18,10 @@ from v1engine.entrypoints.openai.protocol import (
 )
 from v1engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    StreamTally,
     make_usage,
     sampled_logprobs,
+    stream_steps,
 )
 
 
@@ -64,22 +66,17 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream_chunks(
         self, request_id: str, outputs: AsyncIterator[RequestOutput], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
-        num_completion_tokens = 0
+        tally = StreamTally()
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
-        last = None
-        async for output in outputs:
-            last = output
+        async for completions in stream_steps(outputs, tally):
             choices = []
-            for completion in output.outputs:
-                num_completion_tokens += len(completion.token_ids)
-                if completion.text or completion.finished() or completion.token_ids:
-                    offset = text_offsets.get(completion.index, 0)
-                    choices.append(self._choice(completion, offset))
-                    text_offsets[completion.index] = offset + len(completion.text)
-            if choices:
-                yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
-        if request.include_usage and last is not None:
-            usage = make_usage(last, num_completion_tokens)
+            for completion in completions:
+                offset = text_offsets.get(completion.index, 0)
+                choices.append(self._choice(completion, offset))
+                text_offsets[completion.index] = offset + len(completion.text)
+            yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
+        if request.include_usage and tally.last is not None:
+            usage = tally.usage()
             yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
 
     def _choice(self, output: CompletionOutput, text_offset: int) -> CompletionChoice:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from v1engine.core.core_client import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
-from v1engine.engine.request_output import Logprob, RequestOutput
+from v1engine.engine.request_output import CompletionOutput, Logprob, RequestOutput
 from v1engine.entrypoints.openai.async_engine import AsyncEngine, RequestAbortedError
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
@@ -174,6 +174,33 @@ async def _abort_on_disconnect(raw_request: Request, engine: AsyncEngine, reques
         pass
     logger.info("client of %s disconnected; aborting it", request_id)
     engine.abort(request_id)
+
+
+class StreamTally:
+    """What a stream has sent so far, for its final usage chunk."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None
+        self.num_completion_tokens = 0
+
+    def usage(self) -> UsageInfo | None:
+        return None if self.last is None else make_usage(self.last, self.num_completion_tokens)
+
+
+async def stream_steps(
+    outputs: AsyncIterator[RequestOutput], tally: StreamTally
+) -> AsyncIterator[list[CompletionOutput]]:
+    """Per engine step, the choices worth a chunk (new text, new tokens or a finish); both
+    endpoints stream through this, so they send and count alike."""
+    async for output in outputs:
+        tally.last = output
+        sendable = []
+        for completion in output.outputs:
+            tally.num_completion_tokens += len(completion.token_ids)
+            if completion.text or completion.finished() or completion.token_ids:
+                sendable.append(completion)
+        if sendable:
+            yield sendable
 
 
 def make_usage(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
