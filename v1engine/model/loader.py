@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,10 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, WeightSource]]:
     """(name, lazy slice) for every tensor of every file, with a progress bar on rank 0."""
     from safetensors import safe_open
     from tqdm import tqdm
+
+    # tqdm's default lock is a multiprocessing semaphore; one bar per process needs only a
+    # thread lock, and a killed worker then leaves no semaphore for the resource tracker.
+    tqdm.set_lock(threading.RLock())
 
     num_tensors = 0
     for path in files:  # headers only: cheap, and gives the bar its total
