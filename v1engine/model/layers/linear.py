@@ -8,9 +8,9 @@ partial products with one all-reduce. Weights keep nn.Linear's layout: [out_feat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from v1engine.model.layers.gemm import linear
 from v1engine.model.parallel_state import (
     get_tp_rank,
     get_tp_world_size,
@@ -67,7 +67,7 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param, narrow_weight(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -158,5 +158,5 @@ class RowParallelLinear(LinearBase):
         copy_weight(param, narrow_weight(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1engine.model.layers.gemm import linear
 from v1engine.model.parallel_state import (
     get_tp_rank,
     get_tp_world_size,
@@ -67,7 +68,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden_size] -> [num_tokens, vocab_size] float32, on every rank."""
-        logits = F.linear(hidden_states, self.weight)  # [num_tokens, num_embeddings_per_rank]
+        logits = linear(hidden_states, self.weight)  # [num_tokens, num_embeddings_per_rank]
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
 
