@@ -19,6 +19,7 @@ from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import get_architecture, load_hf_config, resolve_dtype
 from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
 from v1engine.worker.gpu_model_runner import GPUModelRunner
 from v1engine.worker.memory import MemoryProfile, profile_cpu, profile_cuda
 from v1engine.worker.worker_base import WorkerBase
@@ -71,6 +72,7 @@ class Worker(WorkerBase):
         else:
             self.device = torch.device("cpu")
             _init_cpu_threads(self.local_rank, world_size)
+            tune_malloc_for_tensors()
         check_dtype_supported(
             resolve_dtype(hf_config, model_config.dtype, device_type), self.device
         )
