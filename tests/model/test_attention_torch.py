@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.model.paged_batch import BlockAllocator, build_metadata, dense_attention
-from v1engine.model.layers import attention_torch
+from v1engine.model.layers import attention_torch_plan
 from v1engine.model.layers.attention_torch import paged_attention, write_kv_cache
 
 HEAD_SIZE = 8
@@ -63,10 +65,34 @@ def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, sliding_
 
 
 def test_decode_split_into_several_gathers(monkeypatch):
-    monkeypatch.setattr(attention_torch, "_MAX_GATHER_ELEMENTS", 1)
+    monkeypatch.setattr(attention_torch_plan, "MAX_GATHER_ELEMENTS", 1)
     steps = [(r, 3 + 5 * r, 1) for r in range(6)]
     out, expected = _run_step(steps, 4, 2, 4, None)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_many_decodes_of_mixed_lengths_in_sorted_groups(sliding_window):
+    """More decodes than one group holds, in no length order, around a prefill."""
+    lengths = [29, 3, 17, 40, 8, 22, 1, 35, 12, 26, 5, 31, 19, 9, 38, 14, 2, 24, 33, 11]
+    steps = [(r, n, 1) for r, n in enumerate(lengths)] + [(99, 6, 5)]
+    assert len(lengths) > 2 * attention_torch_plan.DECODE_GROUP_SIZE
+    out, expected = _run_step(steps, 6, 2, 16, sliding_window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_plan_is_built_once_per_step_and_window():
+    torch.manual_seed(0)
+    metadata = build_metadata(BlockAllocator(NUM_BLOCKS, 4), MIXED)
+    caches = [torch.randn(NUM_BLOCKS, 4, 2, HEAD_SIZE) for _ in range(2)]
+    query = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
+    first = paged_attention(query, *caches, metadata, 0.3)
+    plan = next(iter(metadata.backend_cache.values()))
+    again = paged_attention(query, *caches, metadata, 0.3)  # the next layer of the same step
+    assert list(metadata.backend_cache.values()) == [plan]
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    paged_attention(query, *caches, metadata, 0.3, sliding_window=5)
+    assert len(metadata.backend_cache) == 2
 
 
 def test_sliding_window_of_one_sees_only_itself():
@@ -114,8 +140,11 @@ def test_blocks_outside_the_window_are_never_read():
     key_cache, value_cache = torch.randn(shape), torch.randn(shape)
     query = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
     expected = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
+    garbage = metadata.block_table.clone()
     for r, (_, num_computed, _) in enumerate(steps):
         first_visible = max(0, num_computed - window + 1)  # of the request's first query row
-        metadata.block_table[r, : first_visible // block_size] = 10**6
+        garbage[r, : first_visible // block_size] = 10**6
+    # A new step's metadata (replace() starts an empty backend_cache, so the plan is rebuilt).
+    metadata = dataclasses.replace(metadata, block_table=garbage)
     out = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

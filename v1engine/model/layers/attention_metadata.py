@@ -12,7 +12,8 @@ visible to a query at position p iff `k <= p` and, with a sliding window W, `p -
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     block_table: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # What a backend derives from this metadata alone, built by the first layer and reused by
+    # the rest of the step (e.g. the torch backend's gather plan). Not copied by `replace`.
+    backend_cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_reqs(self) -> int:

@@ -1,0 +1,163 @@
+"""The torch backend's per-step plan: which blocks each request reads and which keys it sees.
+
+Every layer of a step attends with the same metadata, so everything derived from it alone (block
+ids to gather, visibility masks, the grouping of decodes) is built once, by the first layer, and
+cached on the metadata (`AttentionMetadata.backend_cache`); the layers only gather and multiply.
+
+Decodes (one new token) are sorted by length and attended in small groups. Each group gathers its
+requests' blocks padded to its longest one, so sorting keeps the padding small, and a small group's
+gathered K/V (up to `DECODE_GROUP_SIZE` requests) is still in cache when SDPA reads it: on the
+2-core benchmark machine, groups of 8 ran decode attention about 2.5x faster than one padded batch
+of 64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from v1engine.model.layers.attention_metadata import AttentionMetadata
+
+DECODE_GROUP_SIZE = 8
+# Upper bound on gathered K elements per decode group, so long sequences shrink the group.
+MAX_GATHER_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One request with several query rows (prefill, chunked prefill, prefill over a prefix)."""
+
+    start: int  # its query rows are start:end
+    end: int
+    blocks: torch.Tensor  # [num_blocks] int64, the blocks holding its visible keys, in order
+    num_keys: int  # keys in those blocks that exist (the last block may be partly filled)
+    # [query_len, num_keys] bool; None for a fresh prompt without a window (SDPA's causal mask).
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token requests attended in one SDPA call."""
+
+    rows: torch.Tensor  # [n] int64 query rows
+    blocks: torch.Tensor  # [n * num_blocks] int64, row-major; unused entries point at block 0
+    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    prefills: list[PrefillPlan]
+    decode_groups: list[DecodeGroup]
+
+
+def get_step_plan(
+    metadata: AttentionMetadata, key_cache: torch.Tensor, sliding_window: int | None
+) -> StepPlan:
+    """The plan for this step and window, built on first use and then reused by every layer."""
+    block_size, num_kv_heads, head_size = key_cache.shape[1:]
+    cache_key = ("torch", block_size, sliding_window)
+    plan = metadata.backend_cache.get(cache_key)
+    if plan is None:
+        per_token = num_kv_heads * head_size
+        plan = _build_plan(metadata, block_size, per_token, sliding_window, key_cache.device)
+        metadata.backend_cache[cache_key] = plan
+    return plan
+
+
+def _build_plan(
+    metadata: AttentionMetadata,
+    block_size: int,
+    per_token: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> StepPlan:
+    query_start_loc = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    prefills, decodes = [], []
+    for r in range(metadata.num_reqs):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if end - start == 1:
+            decodes.append(r)
+        elif end > start:
+            prefills.append(
+                _prefill_plan(metadata, r, start, end, seq_lens[r], block_size, sliding_window)
+            )
+    # Longest first: each group's padding is bounded by its own longest request.
+    decodes.sort(key=lambda r: seq_lens[r], reverse=True)
+    groups = []
+    i = 0
+    while i < len(decodes):
+        longest_blocks = -(-seq_lens[decodes[i]] // block_size)
+        fit = max(1, MAX_GATHER_ELEMENTS // (longest_blocks * block_size * per_token))
+        members = decodes[i : i + min(DECODE_GROUP_SIZE, fit)]
+        groups.append(
+            _decode_group(metadata, members, query_start_loc, block_size, sliding_window, device)
+        )
+        i += len(members)
+    return StepPlan(prefills, groups)
+
+
+def _prefill_plan(
+    metadata: AttentionMetadata,
+    r: int,
+    start: int,
+    end: int,
+    seq_len: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> PrefillPlan:
+    first_pos = seq_len - (end - start)
+    # Keys older than the first query's window are invisible to every row: skip their blocks.
+    first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+    first_block = first_key // block_size
+    last_block = -(-seq_len // block_size)
+    blocks = metadata.block_table[r, first_block:last_block].long()
+    key_offset = first_block * block_size
+    mask = None
+    if first_pos != 0 or sliding_window is not None:
+        mask = visible(first_pos, seq_len, key_offset, sliding_window, blocks.device)
+    return PrefillPlan(start, end, blocks, seq_len - key_offset, mask)
+
+
+def _decode_group(
+    metadata: AttentionMetadata,
+    members: list[int],
+    query_start_loc: list[int],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> DecodeGroup:
+    member_index = torch.tensor(members, device=device)
+    seq_lens = metadata.seq_lens.to(device)[member_index].long()
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    # Entries past a request's last block, or wholly before its window, may hold anything (a
+    # sliding-window manager may have freed them): point them at block 0, whose keys are masked.
+    block_start = torch.arange(num_blocks, device=device)[None, :] * block_size
+    used = block_start < seq_lens[:, None]
+    if sliding_window is not None:
+        used &= block_start + block_size > seq_lens[:, None] - sliding_window
+    table = metadata.block_table.to(device)[member_index, :num_blocks].long()
+    blocks = torch.where(used, table, 0).flatten()
+
+    k_pos = torch.arange(num_blocks * block_size, device=device)[None, :]
+    q_pos = (seq_lens - 1)[:, None]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    rows = torch.tensor([query_start_loc[r] for r in members], device=device)
+    return DecodeGroup(rows, blocks, mask[:, None, None, :], num_blocks)
+
+
+def visible(
+    first_pos: int, seq_len: int, key_offset: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[num_queries, num_keys] bool; queries sit at first_pos.., keys at key_offset.., both up to
+    seq_len - 1."""
+    q_pos = torch.arange(first_pos, seq_len, device=device)[:, None]
+    k_pos = torch.arange(key_offset, seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
