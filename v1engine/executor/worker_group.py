@@ -29,7 +29,8 @@ _TERMINATE_EXIT_S = 2.0
 
 class WorkerGroup:
     def __init__(self, config: Any, world_size: int, distributed_init_method: str) -> None:
-        self.dead_worker: tuple[int, int | None] | None = None
+        # (rank, how it died), set once by the monitor thread.
+        self.dead_worker: tuple[int, str] | None = None
         self.is_shut_down = False
         self.response_mqs: list[MessageQueue] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -116,7 +117,7 @@ class WorkerGroup:
             return
         rank = next(sentinels[s] for s in ready if s in sentinels)
         self._procs[rank].join(1.0)  # reap it, so its exit code is known
-        self.dead_worker = (rank, self._procs[rank].exitcode)
+        self.dead_worker = (rank, describe_exitcode(self._procs[rank].exitcode))
         # Wake everything blocked on the queues; callers then see dead_worker.
         self.broadcast_mq.close()
         for mq in self.response_mqs:
