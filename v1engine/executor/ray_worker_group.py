@@ -40,6 +40,7 @@ logger = init_logger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 60.0
 _GRACEFUL_EXIT_S = 5.0
+_KILL_WAIT_S = 5.0
 _MONITOR_SLICE_S = 1.0  # only bounds how long the monitor takes to notice shutdown()
 
 
@@ -192,6 +193,8 @@ class RayWorkerGroup:
                 pass
         for actor in self.actors:
             ray.kill(actor)
+        if self._serve_refs:  # their ends confirm the kills: Ray has seen each actor die
+            ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_KILL_WAIT_S)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
 
@@ -207,6 +210,7 @@ def _describe_end(serve_ref: Any) -> str:
 
 
 def describe_actor_death(error: Exception) -> str:
-    """Ray's reason, on one line: which actor and node, and why its process ended."""
-    text = " ".join(str(error).split())
-    return f"Ray actor died: {text[:500]}"
+    """Ray's reason, on one line: which actor and node, and why its process ended (without
+    Ray's generic list of common causes)."""
+    text = " ".join(str(error).split()).split(" Some common causes")[0]
+    return f"Ray actor died: {text[:400]}"
