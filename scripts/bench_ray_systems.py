@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from bench_worker import BENCH_WORKER_CLS, System
+from bench_worker import System, V1EngineSystem
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -53,40 +53,9 @@ class RayCluster:
             os.environ.pop("RAY_TMPDIR", None)
 
 
-class V1EngineRaySystem(System):
+class V1EngineRaySystem(V1EngineSystem):
     name = "v1engine-ray"
-
-    def __init__(self) -> None:
-        self._executor: Any = None
-        self._pids: list[int] = []
-
-    def start(self, num_workers: int) -> None:
-        from v1engine.config import EngineConfig, ParallelConfig
-        from v1engine.executor.ray_executor import RayExecutor
-
-        parallel = ParallelConfig(
-            tensor_parallel_size=num_workers,
-            worker_cls=BENCH_WORKER_CLS,
-            distributed_executor_backend="ray",
-        )
-        self._executor = RayExecutor(EngineConfig(parallel_config=parallel))
-        self._pids = list(self._executor.collective_rpc("get_pid"))
-
-    def call(self, payload: np.ndarray) -> list[int]:
-        return self._executor.collective_rpc("echo_len", args=(payload,))
-
-    def call_pipelined(self, payload: np.ndarray, depth: int) -> list[int]:
-        rpc = self._executor.collective_rpc
-        futures = [rpc("echo_len", args=(payload,), non_block=True) for _ in range(depth)]
-        return [reply for future in futures for reply in future.result()]
-
-    def worker_pids(self) -> list[int]:
-        return self._pids
-
-    def close(self) -> None:
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown()
+    backend = "ray"
 
 
 class EchoActor:

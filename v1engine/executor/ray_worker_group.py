@@ -14,16 +14,14 @@ kills the actors, removes the placement group and, if the engine started Ray, st
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from v1engine.executor.message_queue import Handle, MessageQueue, make_ipc_dir
+from v1engine.executor.message_queue import Handle, MessageQueue
 from v1engine.executor.ray_cluster import (
     connect_ray,
     cuda_visible_devices,
@@ -32,8 +30,8 @@ from v1engine.executor.ray_cluster import (
     reserve_placement_group,
 )
 from v1engine.executor.ray_worker import NodeInfo, RayWorker
-from v1engine.executor.worker_group import STARTUP_TIMEOUT_S
-from v1engine.executor.worker_proc import SHUTDOWN, WorkerProcArgs
+from v1engine.executor.worker_group import STARTUP_TIMEOUT_S, WorkerGroupBase
+from v1engine.executor.worker_proc import WorkerProcArgs
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -41,24 +39,19 @@ logger = init_logger(__name__)
 _HANDSHAKE_TIMEOUT_S = 60.0
 _GRACEFUL_EXIT_S = 5.0
 _KILL_WAIT_S = 5.0
-_MONITOR_SLICE_S = 1.0  # only bounds how long the monitor takes to notice shutdown()
+_MONITOR_SLICE_S = 0.25  # only bounds how long the monitor takes to notice shutdown()
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(WorkerGroupBase):
     def __init__(self, config: Any, world_size: int) -> None:
-        self.dead_worker: tuple[int, str] | None = None
-        self.is_shut_down = False
-        self.response_mqs: list[MessageQueue] = []
-        self.broadcast_mq: MessageQueue | None = None
+        super().__init__()
         self.actors: list[Any] = []  # in rank order
         self.node_infos: list[NodeInfo] = []  # in rank order
         self._serve_refs: list[Any] = []
         self._placement_group = None
-        self._shutdown_lock = threading.Lock()
-        self._monitor_thread: threading.Thread | None = None
-        self._started_ray = connect_ray()
-        self.ipc_dir = make_ipc_dir()
+        self._started_ray = False
         try:
+            self._started_ray = connect_ray()
             self._start(config, world_size)
         except BaseException:
             self.shutdown()
@@ -138,65 +131,33 @@ class RayWorkerGroup:
                 raise RuntimeError(f"worker rank {rank} failed to start:\n{e}") from None
         return [handles[rank] for rank in range(len(refs))]
 
-    # -- monitoring ----------------------------------------------------------------------------
-    def start_monitor(self, on_death: Callable[[], None]) -> None:
-        self._monitor_thread = threading.Thread(
-            target=self._monitor, args=(on_death,), name="v1engine-ray-monitor", daemon=True
-        )
-        self._monitor_thread.start()
-
-    def _monitor(self, on_death: Callable[[], None]) -> None:
+    # -- monitoring and shut-down ------------------------------------------------------------
+    def _wait_for_death(self) -> tuple[int, str] | None:
         rank_of = {ref: rank for rank, ref in enumerate(self._serve_refs)}
         ready: list[Any] = []
         while not ready:
             if self.is_shut_down:
-                return
+                return None
             ready, _ = ray.wait(list(rank_of), num_returns=1, timeout=_MONITOR_SLICE_S)
-        if self.is_shut_down:
-            return
-        rank = rank_of[ready[0]]
-        self.dead_worker = (rank, _describe_end(ready[0]))
-        # Wake everything blocked on the queues; callers then see dead_worker.
-        self.broadcast_mq.close()
-        for mq in self.response_mqs:
-            mq.close()
-        on_death()
+        return rank_of[ready[0]], _describe_end(ready[0])
 
-    # -- shut-down -----------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Graceful stop, then ray.kill; removes the placement group and every queue."""
-        with self._shutdown_lock:
-            if self.is_shut_down:
-                return
-            self.is_shut_down = True
-        monitor = self._monitor_thread
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join()
-        if ray.is_initialized():
-            self._stop_actors()
-        for mq in (self.broadcast_mq, *self.response_mqs):
-            if mq is not None:
-                mq.close()
-        MessageQueue.remove_all(self.ipc_dir)
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-
-    def _stop_actors(self) -> None:
-        if self.dead_worker is None and self._serve_refs:
-            try:
-                self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
-                # Lets each worker run its shutdown() (leave the process group, free memory).
-                ray.wait(
-                    self._serve_refs, num_returns=len(self._serve_refs), timeout=_GRACEFUL_EXIT_S
-                )
-            except Exception:  # a wedged or dead worker: killed below
-                pass
+    def _stop_workers(self) -> None:
+        """Graceful stop, then ray.kill; then the placement group goes."""
+        if not ray.is_initialized():
+            return  # Ray already shut down (at interpreter exit): it ended the actors itself
+        if self._ask_workers_to_stop():
+            # Lets each worker run its shutdown() (leave the process group, free memory).
+            ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_GRACEFUL_EXIT_S)
         for actor in self.actors:
             ray.kill(actor)
         if self._serve_refs:  # their ends confirm the kills: Ray has seen each actor die
             ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_KILL_WAIT_S)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
+
+    def _release(self) -> None:
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
 
 
 def _describe_end(serve_ref: Any) -> str:
