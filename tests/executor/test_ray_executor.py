@@ -147,3 +147,20 @@ def test_tp2_across_nodes_equals_transformers_and_survives_nothing_when_killed(
         llm.shutdown()
     assert not ray_leftovers()
     wait_gone(pids, limit_s=10)  # Ray reaps killed actors' processes asynchronously
+
+
+def test_node_death_fails_calls_naming_the_rank(ray_cluster):
+    # Last in the module: it takes the second node away.
+    executor = RayExecutor(make_config(backend="ray"))
+    try:
+        pending = executor.collective_rpc("sleep", args=(60.0,), non_block=True)
+        (worker_node,) = [n for n in ray_cluster.cluster.list_all_nodes() if not n.head]
+        removed_at = time.monotonic()
+        ray_cluster.cluster.remove_node(worker_node)
+        with pytest.raises(WorkerDiedError, match="worker rank 1 died .*its node has died"):
+            pending.result(timeout=30)
+        assert time.monotonic() - removed_at < 5.0
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            executor.collective_rpc("get_rank")
+    finally:
+        shut_down_cleanly(executor)
