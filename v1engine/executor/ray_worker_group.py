@@ -60,10 +60,20 @@ class RayWorkerGroup(WorkerGroupBase):
     def _start(self, config: Any, world_size: int) -> None:
         use_gpu = config.device_config.device_type == "cuda"
         self._placement_group = reserve_placement_group(world_size, use_gpu)
+        self._place_actors(world_size, use_gpu)
+        handles = self._start_workers(config, world_size)
+        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
+        self._serve_refs = [actor.serve.remote() for actor in self.actors]
+        self.broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+        for mq in self.response_mqs:
+            mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+
+    def _place_actors(self, world_size: int, use_gpu: bool) -> None:
+        """One actor per bundle; then self.actors and self.node_infos in rank order."""
         actor_cls = ray.remote(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0)(
             RayWorker
         )
-        actors = [
+        self.actors = [  # set at once, so shutdown() kills them even if the rest fails
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._placement_group, placement_group_bundle_index=i
@@ -71,17 +81,25 @@ class RayWorkerGroup(WorkerGroupBase):
             ).remote()
             for i in range(world_size)
         ]
-        self.actors = actors  # shutdown() kills them even if placing them fails
-        infos = ray.get([a.get_node_info.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
+        try:
+            refs = [actor.get_node_info.remote() for actor in self.actors]
+            infos = ray.get(refs, timeout=STARTUP_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(
+                f"a Ray actor for the workers could not start ({describe_actor_death(e)}); "
+                "every node needs v1engine and the worker class importable"
+            ) from None
         order = order_ranks(infos, ray.get_runtime_context().get_node_id())
-        self.actors = [actors[i] for i in order]
+        self.actors = [self.actors[i] for i in order]
         self.node_infos = [infos[i] for i in order]
-        handles = self._start_workers(config, world_size)
-        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
-        self._serve_refs = [actor.serve.remote() for actor in self.actors]
-        self.broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
-        for mq in self.response_mqs:
-            mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+        logger.info(
+            "Ray executor: %d rank(s) on %d node(s): %s",
+            world_size,
+            len({info.node_id for info in infos}),
+            ", ".join(
+                f"rank {r} on node {i.node_id[:8]} ({i.ip})" for r, i in enumerate(self.node_infos)
+            ),
+        )
 
     def _start_workers(self, config: Any, world_size: int) -> list[Handle]:
         driver_node_id = ray.get_runtime_context().get_node_id()
