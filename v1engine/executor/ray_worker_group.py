@@ -31,7 +31,6 @@ from v1engine.executor.ray_cluster import (
 )
 from v1engine.executor.ray_worker import NodeInfo, RayWorker
 from v1engine.executor.worker_group import STARTUP_TIMEOUT_S, WorkerGroupBase
-from v1engine.executor.worker_proc import WorkerProcArgs
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -115,15 +114,8 @@ class RayWorkerGroup(WorkerGroupBase):
         visible = cuda_visible_devices(self.node_infos)
         refs = []
         for rank, local_rank in enumerate(local_ranks(self.node_infos)):
-            args = WorkerProcArgs(
-                config=config,
-                rank=rank,
-                local_rank=local_rank,
-                distributed_init_method=init_method,
-                broadcast_handle=self.broadcast_mq.export_handle(),
-                ipc_dir=self.ipc_dir,
-                response_host=None if is_local[rank] else self.node_infos[rank].ip,
-            )
+            response_host = None if is_local[rank] else self.node_infos[rank].ip
+            args = self._worker_args(config, rank, local_rank, init_method, response_host)
             refs.append(self.actors[rank].start.remote(args, visible[rank]))
         return self._wait_for_ready(refs)
 

@@ -101,6 +101,24 @@ class WorkerGroupBase:
             return False
         return True
 
+    def _worker_args(
+        self,
+        config: Any,
+        rank: int,
+        local_rank: int,
+        distributed_init_method: str,
+        response_host: str | None = None,
+    ) -> WorkerProcArgs:
+        return WorkerProcArgs(
+            config=config,
+            rank=rank,
+            local_rank=local_rank,
+            distributed_init_method=distributed_init_method,
+            broadcast_handle=self.broadcast_mq.export_handle(),
+            ipc_dir=self.ipc_dir,
+            response_host=response_host,
+        )
+
     def _close_queues(self) -> None:
         for mq in (self.broadcast_mq, *self.response_mqs):
             if mq is not None:
@@ -125,14 +143,7 @@ class WorkerGroup(WorkerGroupBase):
         context = multiprocessing.get_context("spawn")
         ready_conns = []
         for rank in range(world_size):
-            args = WorkerProcArgs(
-                config=config,
-                rank=rank,
-                local_rank=rank,
-                distributed_init_method=distributed_init_method,
-                broadcast_handle=self.broadcast_mq.export_handle(),
-                ipc_dir=self.ipc_dir,
-            )
+            args = self._worker_args(config, rank, rank, distributed_init_method)
             reader, writer = context.Pipe(duplex=False)
             proc = context.Process(
                 target=worker_main, args=(args, writer), name=f"V1EngineWorker-{rank}", daemon=True
