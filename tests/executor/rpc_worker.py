@@ -64,3 +64,15 @@ def ignore_sigterm_and_sleep(worker: RPCTestWorker, seconds: float) -> None:
     if worker.rank == 1:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(seconds)
+
+
+def process_id(worker: WorkerBase) -> int:
+    """The pid of any worker class's process."""
+    return os.getpid()
+
+
+def ray_node_id(worker: WorkerBase) -> str:
+    """The Ray node a worker runs on (Ray executor tests)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

@@ -58,9 +58,13 @@ def _reader_main(handle, rank: int, results) -> None:
         mq.close()
 
 
-def test_broadcast_to_reader_processes_keeps_order_and_contents():
+# Readers >= n_local_reader take the TCP path, as a reader on another node would.
+@pytest.mark.parametrize("n_local_reader", [2, 1, 0], ids=["shm", "shm+tcp", "tcp"])
+def test_broadcast_to_reader_processes_keeps_order_and_contents(n_local_reader):
     ctx = multiprocessing.get_context("spawn")
-    writer = MessageQueue(2, max_chunk_bytes=SMALL_CHUNK)
+    writer = MessageQueue(
+        2, max_chunk_bytes=SMALL_CHUNK, n_local_reader=n_local_reader, remote_host="127.0.0.1"
+    )
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_reader_main, args=(writer.export_handle(), r, results))
@@ -93,6 +97,39 @@ def _local_pair(n_reader: int = 1, **kwargs) -> tuple[MessageQueue, list[Message
 def _close(writer: MessageQueue, readers: list[MessageQueue]) -> None:
     for r in readers:
         r.close()
+    writer.close()
+
+
+def _remote_pair() -> tuple[MessageQueue, MessageQueue]:
+    """A writer whose one reader takes the TCP path; both pass the ready barrier."""
+    writer = MessageQueue(1, n_local_reader=0, remote_host="127.0.0.1")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    thread = threading.Thread(target=writer.wait_until_ready, args=(10,))
+    thread.start()
+    reader.wait_until_ready(timeout=10)
+    thread.join()
+    return writer, reader
+
+
+def test_tcp_reader_timeout_close_and_writer_close():
+    writer, reader = _remote_pair()
+    assert writer.export_handle().ring_path == ""  # no reader on this node: no shared memory
+    with pytest.raises(TimeoutError):
+        reader.dequeue(timeout=0.2)
+    writer.enqueue(torch.arange(10))
+    writer.close()
+    assert torch.equal(reader.dequeue(timeout=5), torch.arange(10))
+    with pytest.raises(QueueClosedError):
+        reader.dequeue(timeout=5)
+    reader.close()
+
+    writer, reader = _remote_pair()
+    thread = threading.Thread(target=lambda: pytest.raises(QueueClosedError, reader.dequeue))
+    thread.start()
+    time.sleep(0.2)
+    reader.close()
+    thread.join(2)
+    assert not thread.is_alive()
     writer.close()
 
 

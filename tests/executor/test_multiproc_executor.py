@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -185,6 +186,14 @@ def test_get_class_picks_the_backend():
     from v1engine.executor.uniproc_executor import UniProcExecutor
 
     assert Executor.get_class(make_config(tp=1, backend="uni")) is UniProcExecutor
+
+
+def test_ray_backend_without_ray_says_how_to_install(monkeypatch):
+    # None in sys.modules makes `import ray` fail as if Ray were not installed.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delitem(sys.modules, "v1engine.executor.ray_executor", raising=False)
+    with pytest.raises(ValueError, match=r"pip install 'v1engine\[ray\]'"):
+        Executor.get_class(make_config(backend="ray"))
 
 
 def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):

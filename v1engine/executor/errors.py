@@ -30,14 +30,21 @@ class WorkerError(RuntimeError):
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process exited; every pending and later call raises this."""
+    """A worker process (or the Ray actor or node holding it) is gone; every pending and later
+    call raises this.
 
-    def __init__(self, rank: int, exitcode: int | None, method: str | None = None) -> None:
+    Args:
+        rank: the dead worker's rank.
+        cause: how it died, e.g. `describe_exitcode(code)` or Ray's reason for an actor's death.
+        method: the call that was pending, if any.
+    """
+
+    def __init__(self, rank: int, cause: str, method: str | None = None) -> None:
         self.rank = rank
-        self.exitcode = exitcode
+        self.cause = cause
         during = f" during collective_rpc({method!r})" if method else ""
         super().__init__(
-            f"worker rank {rank} died ({describe_exitcode(exitcode)}){during}; "
+            f"worker rank {rank} died ({cause}){during}; "
             "the executor cannot be used any more: shut it down and start a new engine"
         )
 

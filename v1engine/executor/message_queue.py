@@ -4,13 +4,13 @@ Messages travel through a shared-memory ring (shm_ring.py). A message whose seri
 exceeds `max_chunk_bytes` (10 MB by default) goes over a ZeroMQ XPUB socket instead, and the ring
 carries a marker in its place, so readers still see every message in the writer's order.
 
-A message is packed into a chunk as::
+A message is packed into a chunk by `pack_frames` (serialization.py draws the layout). Readers
+copy buffers out of the ring before releasing the chunk, so nothing a reader returns aliases ring
+memory that a later message may overwrite.
 
-    [u32 num_frames][u64 size] * num_frames [pad to 64] frame 0 [pad] frame 1 ...
-
-where frame 0 is the pickle stream and frames 1.. the raw buffers of arrays and tensors (see
-serialization.py). Readers copy buffers out of the ring before releasing the chunk, so nothing a
-reader returns aliases ring memory that a later message may overwrite.
+Readers on another node (ranks >= `n_local_reader`) cannot map the ring: the writer also
+publishes every message to them over TCP (tcp_transport.py). A queue may have only such readers,
+and then it has no ring at all.
 
 Waiting: a blocked reader (or a writer facing a full ring) first spins for `spin_s`, which keeps
 the latency of back-to-back messages low, then sleeps on a futex, so an idle queue uses no CPU.
@@ -30,15 +30,20 @@ from typing import Any
 import zmq
 
 from v1engine.executor import futex
-from v1engine.executor.serialization import deserialize, serialize
+from v1engine.executor.serialization import deserialize, pack_frames, serialize, unpack_frames
 from v1engine.executor.shm_ring import ShmRingBuffer, full_fence, unlink_all
+from v1engine.executor.tcp_transport import (
+    RemotePublisher,
+    RemoteSubscriber,
+    configure_socket,
+    wait_for_subscribers,
+)
 
 DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
 DEFAULT_MAX_CHUNKS = 4
 DEFAULT_SPIN_S = 100e-6
 _OVERFLOW = 0xFFFFFFFF
 _HEADER_SLACK = 64 * 1024
-_ALIGN = 64
 _SLEEP_SLICE_S = 1.0
 _READY = "__v1engine_queue_ready__"
 IPC_DIR_PREFIX = "v1engine-"
@@ -50,7 +55,10 @@ class QueueClosedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Handle:
-    """Everything a reader process needs to attach to a queue. Picklable."""
+    """Everything a reader process needs to attach to a queue. Picklable. Readers
+    0 .. n_local_reader-1 use the ring (ring_path, zmq_address, ipc_dir: empty without local
+    readers); the others connect to remote_address (None without remote readers).
+    """
 
     n_reader: int
     ring_path: str
@@ -58,6 +66,8 @@ class Handle:
     max_chunks: int
     zmq_address: str
     ipc_dir: str
+    n_local_reader: int
+    remote_address: str | None
 
 
 def make_ipc_dir() -> str:
@@ -66,10 +76,6 @@ def make_ipc_dir() -> str:
     so every leftover can be traced to the process that made it.
     """
     return tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class MessageQueue:
@@ -82,6 +88,9 @@ class MessageQueue:
         ipc_dir: directory for the ZeroMQ socket file; None creates a private one that
             close() removes.
         spin_s: how long a waiter spins before sleeping.
+        n_local_reader: readers on this node (ranks 0 .. n_local_reader-1); None: all of them.
+        remote_host: this node's IP address, which readers on other nodes connect to; needed
+            when n_local_reader < n_reader.
     """
 
     def __init__(
@@ -91,33 +100,50 @@ class MessageQueue:
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         ipc_dir: str | None = None,
         spin_s: float = DEFAULT_SPIN_S,
+        n_local_reader: int | None = None,
+        remote_host: str | None = None,
     ) -> None:
-        if n_reader < 1:
-            raise ValueError(f"MessageQueue needs at least one reader, got n_reader={n_reader}")
-        self._owns_ipc_dir = ipc_dir is None
-        self.ipc_dir = ipc_dir or make_ipc_dir()
+        n_local = n_reader if n_local_reader is None else n_local_reader
+        if n_reader < 1 or not 0 <= n_local <= n_reader:
+            raise ValueError(
+                f"MessageQueue needs n_reader >= 1 and 0 <= n_local_reader <= n_reader, got "
+                f"n_reader={n_reader}, n_local_reader={n_local_reader}"
+            )
+        if n_local < n_reader and remote_host is None:
+            raise ValueError("readers on other nodes need remote_host: this node's IP address")
+        self._owns_ipc_dir = ipc_dir is None and n_local > 0
+        self.ipc_dir = ipc_dir or (make_ipc_dir() if n_local else "")
+        self._ring = self._socket = None
+        self._socket_path = ""
+        if n_local:
+            self._init_ring(n_local, max_chunk_bytes + _HEADER_SLACK, max_chunks)
+        self._publisher = None
+        if n_local < n_reader:
+            self._publisher = RemotePublisher(_zmq_context(), remote_host)
+        self._subscriber: RemoteSubscriber | None = None
+        self._handle = Handle(
+            n_reader=n_reader,
+            ring_path=self._ring.path if self._ring else "",
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            zmq_address=f"ipc://{self._socket_path}" if self._ring else "",
+            ipc_dir=self.ipc_dir,
+            n_local_reader=n_local,
+            remote_address=self._publisher.address if self._publisher else None,
+        )
+        self._init_common(is_writer=True, rank=-1, spin_s=spin_s)
+
+    def _init_ring(self, n_local: int, chunk_bytes: int, max_chunks: int) -> None:
         self._ring = ShmRingBuffer(
-            n_reader,
-            max_chunk_bytes + _HEADER_SLACK,
-            max_chunks,
-            name_prefix=ring_name_prefix(self.ipc_dir),
+            n_local, chunk_bytes, max_chunks, name_prefix=ring_name_prefix(self.ipc_dir)
         )
         name = os.path.basename(self._ring.path)
         self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
         self._socket = _zmq_context().socket(zmq.XPUB)
-        self._configure_socket()
+        configure_socket(self._socket)
         # Every reader's subscription must reach us, not just the first (see wait_until_ready).
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._socket.bind(f"ipc://{self._socket_path}")
-        self._handle = Handle(
-            n_reader=n_reader,
-            ring_path=self._ring.path,
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-            zmq_address=f"ipc://{self._socket_path}",
-            ipc_dir=self.ipc_dir,
-        )
-        self._init_common(is_writer=True, rank=-1, spin_s=spin_s)
 
     @classmethod
     def create_from_handle(
@@ -130,26 +156,22 @@ class MessageQueue:
         self._handle = handle
         self._owns_ipc_dir = False
         self.ipc_dir = handle.ipc_dir
-        self._ring = ShmRingBuffer(
-            handle.n_reader,
-            handle.max_chunk_bytes + _HEADER_SLACK,
-            handle.max_chunks,
-            path=handle.ring_path,
-        )
-        self._socket = _zmq_context().socket(zmq.SUB)
-        self._configure_socket()
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(handle.zmq_address)
+        self._publisher = self._ring = self._socket = self._subscriber = None
+        if rank >= handle.n_local_reader:
+            self._subscriber = RemoteSubscriber(_zmq_context(), handle.remote_address)
+        else:
+            self._ring = ShmRingBuffer(
+                handle.n_local_reader,
+                handle.max_chunk_bytes + _HEADER_SLACK,
+                handle.max_chunks,
+                path=handle.ring_path,
+            )
+            self._socket = _zmq_context().socket(zmq.SUB)
+            configure_socket(self._socket)
+            self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+            self._socket.connect(handle.zmq_address)
         self._init_common(is_writer=False, rank=rank, spin_s=spin_s)
         return self
-
-    def _configure_socket(self) -> None:
-        # Never drop: the ring already bounds how many overflow messages can be in flight.
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDBUF, 4 << 20)
-        self._socket.setsockopt(zmq.RCVBUF, 4 << 20)
 
     def _init_common(self, is_writer: bool, rank: int, spin_s: float) -> None:
         self.is_writer = is_writer
@@ -174,27 +196,33 @@ class MessageQueue:
         if not self.is_writer:
             raise RuntimeError("enqueue() called on a reader; only the queue's creator writes")
         frames = serialize(obj)
-        sizes = [memoryview(f).nbytes for f in frames]
         with self._op_lock:
             if self._closed:
                 raise QueueClosedError("MessageQueue.enqueue: the queue was closed")
-            chunk = self._chunk
-            self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
-            view = self._ring.begin_write(chunk)
-            overflow = sum(sizes) > self.max_chunk_bytes
-            if overflow:
-                struct.pack_into("<I", view, 0, _OVERFLOW)
-            else:
-                _pack(view, frames, sizes)
-            del view
-            self._publish(chunk)
-            if overflow:
-                # The marker is out first, so readers already wait in ZeroMQ, which hands them
-                # the message the moment its last byte lands (multipart delivery is atomic).
-                tracker = self._socket.send_multipart(frames, copy=False, track=True)
-                # Readers must get exactly what the caller had at enqueue time, so we return
-                # only once ZeroMQ is done with the caller's buffers.
-                tracker.wait()
+            if self._ring is not None:
+                self._write_ring(frames, timeout)
+            if self._publisher is not None:
+                self._publisher.send(frames)
+
+    def _write_ring(self, frames: list, timeout: float | None) -> None:
+        sizes = [memoryview(f).nbytes for f in frames]
+        chunk = self._chunk
+        self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
+        view = self._ring.begin_write(chunk)
+        overflow = sum(sizes) > self.max_chunk_bytes
+        if overflow:
+            struct.pack_into("<I", view, 0, _OVERFLOW)
+        else:
+            pack_frames(view, frames, sizes)
+        del view
+        self._publish(chunk)
+        if overflow:
+            # The marker is out first, so readers already wait in ZeroMQ, which hands them
+            # the message the moment its last byte lands (multipart delivery is atomic).
+            tracker = self._socket.send_multipart(frames, copy=False, track=True)
+            # Readers must get exactly what the caller had at enqueue time, so we return
+            # only once ZeroMQ is done with the caller's buffers.
+            tracker.wait()
 
     def _publish(self, chunk: int) -> None:
         self._ring.end_write(chunk)
@@ -216,13 +244,18 @@ class MessageQueue:
         with self._op_lock:
             if self._closed:
                 raise QueueClosedError("MessageQueue.dequeue: the queue was closed")
+            if self._subscriber is not None:
+                frames = self._subscriber.recv(timeout, lambda: self._closed)
+                if frames is None:
+                    raise QueueClosedError("MessageQueue.dequeue: the queue was closed")
+                return deserialize(frames)
             chunk, rank = self._chunk, self.rank
             self._wait(lambda: self._ring.is_readable(chunk, rank), self._ring, timeout, "dequeue")
             view = self._ring.chunk_view(chunk)
             try:
                 if struct.unpack_from("<I", view, 0)[0] == _OVERFLOW:
                     return deserialize(self._recv_overflow())
-                return _unpack(view)
+                return unpack_frames(view)
             finally:
                 # Release the chunk even if unpickling failed, or the writer would stall.
                 del view
@@ -285,11 +318,11 @@ class MessageQueue:
         """
         if self.is_writer:
             deadline = None if timeout is None else time.monotonic() + timeout
-            for _ in range(self._handle.n_reader):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._socket.poll(None if left is None else int(left * 1000)):
-                    raise TimeoutError("MessageQueue readers did not connect in time")
-                self._socket.recv()
+            n_local = self._handle.n_local_reader
+            if self._ring is not None:
+                wait_for_subscribers(self._socket, n_local, deadline)
+            if self._publisher is not None:
+                self._publisher.wait_for_subscribers(self._handle.n_reader - n_local, deadline)
             self.enqueue(_READY, timeout=timeout)
             return
         message = self.dequeue(timeout=timeout)
@@ -304,14 +337,17 @@ class MessageQueue:
         if self._closed:
             return
         self._closed = True
-        if self.is_writer:
-            self._ring.mark_closed()
-        futex.wake(self._ring.write_seq_addr)
-        futex.wake(self._ring.read_seq_addr)
+        ring = self._ring
+        if ring is not None:
+            if self.is_writer:
+                ring.mark_closed()
+            futex.wake(ring.write_seq_addr)
+            futex.wake(ring.read_seq_addr)
         with self._op_lock:  # the blocked operation has seen _closed and left
-            self._socket.close(linger=0)
-            self._ring.close()
-        if self.is_writer:
+            for end in (self._socket, ring, self._publisher, self._subscriber):
+                if end is not None:
+                    end.close()
+        if self.is_writer and ring is not None:
             _remove(self._socket_path)
             if self._owns_ipc_dir:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -328,31 +364,6 @@ class MessageQueue:
 def ring_name_prefix(ipc_dir: str) -> str:
     # The ipc directory's name is unique per engine (mkdtemp), so it names the engine's rings.
     return os.path.basename(os.path.normpath(ipc_dir)) + "-"
-
-
-def _pack(view: memoryview, frames: list, sizes: list[int]) -> None:
-    header = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
-    view[: len(header)] = header
-    offset = _align(len(header))
-    for frame, size in zip(frames, sizes):
-        view[offset : offset + size] = memoryview(frame).cast("B")
-        offset = _align(offset + size)
-
-
-def _unpack(view: memoryview) -> Any:
-    (num_frames,) = struct.unpack_from("<I", view, 0)
-    sizes = struct.unpack_from(f"<{num_frames}Q", view, 4)
-    offset = _align(4 + 8 * num_frames)
-    if num_frames == 1:  # the common small message: no out-of-band buffers
-        return deserialize([view[offset : offset + sizes[0]]])
-    starts = []
-    for size in sizes:
-        starts.append(offset)
-        offset = _align(offset + size)
-    # Private copies of the out-of-band buffers, so nothing returned aliases the ring. Building
-    # the bytearray from the slice copies once (a zeroed bytearray would touch the memory twice).
-    buffers = [bytearray(view[start : start + size]) for start, size in zip(starts[1:], sizes[1:])]
-    return deserialize([view[starts[0] : starts[0] + sizes[0]], *buffers])
 
 
 def _remove(path: str) -> None:

@@ -47,7 +47,7 @@ class _PendingCall:
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
-        self._group = WorkerGroup(self.config, self.world_size, _distributed_init_method())
+        self._group = self._make_group()
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         self._call_ids = itertools.count()
         self._pending: deque[_PendingCall] = deque()
@@ -55,6 +55,13 @@ class MultiprocExecutor(Executor):
         self._recv_lock = threading.Lock()
         self._collect_queue: queue.SimpleQueue[_PendingCall] | None = None
         self._group.start_monitor(self._on_worker_death)
+
+    def _make_group(self) -> WorkerGroup:
+        """Starts the workers. Another process layout (e.g. Ray actors) overrides this with a
+        group of the same surface: broadcast_mq, response_mqs, dead_worker, is_shut_down,
+        start_monitor(on_death), shutdown().
+        """
+        return WorkerGroup(self.config, self.world_size, _distributed_init_method())
 
     # -- calls ------------------------------------------------------------------------------
     def collective_rpc(
@@ -163,8 +170,8 @@ class MultiprocExecutor(Executor):
     def _on_worker_death(self) -> None:
         # Called from the monitor thread; the group already closed the queues, so blocked
         # readers wake with QueueClosedError and fail their calls below.
-        rank, exitcode = self._group.dead_worker
-        logger.error("worker rank %d died (exit code %s)", rank, exitcode)
+        rank, cause = self._group.dead_worker
+        logger.error("worker rank %d died (%s)", rank, cause)
 
     def _fail_pending(self) -> None:
         while self._pending:

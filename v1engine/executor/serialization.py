@@ -4,6 +4,7 @@
 numpy arrays and torch tensors, never copied into the pickle. `deserialize(frames)` rebuilds the
 object on top of whatever buffers it is given, so the transport decides who owns the memory.
 torch is only touched when the sender already imported it, keeping worker start-up light.
+`pack_frames`/`unpack_frames` lay frames out in one flat buffer, a ring chunk of message_queue.py.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
+import struct
 import sys
 from typing import Any
 
 Buffer = bytes | bytearray | memoryview
+_ALIGN = 64
 
 
 def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...]) -> Any:
@@ -81,3 +84,37 @@ def serialize(obj: Any) -> list[Buffer]:
 def deserialize(frames: list[Buffer]) -> Any:
     """Rebuilds from frames; arrays and tensors are views of frames[1:] (no copy here)."""
     return pickle.loads(frames[0], buffers=frames[1:])
+
+
+# ---- frames in one flat buffer (a ring chunk) ----
+#
+#     [u32 num_frames][u64 size] * num_frames [pad to 64] frame 0 [pad] frame 1 ...
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack_frames(view: memoryview, frames: list, sizes: list[int]) -> None:
+    header = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+    view[: len(header)] = header
+    offset = _align(len(header))
+    for frame, size in zip(frames, sizes):
+        view[offset : offset + size] = memoryview(frame).cast("B")
+        offset = _align(offset + size)
+
+
+def unpack_frames(view: memoryview) -> Any:
+    (num_frames,) = struct.unpack_from("<I", view, 0)
+    sizes = struct.unpack_from(f"<{num_frames}Q", view, 4)
+    offset = _align(4 + 8 * num_frames)
+    if num_frames == 1:  # the common small message: no out-of-band buffers
+        return deserialize([view[offset : offset + sizes[0]]])
+    starts = []
+    for size in sizes:
+        starts.append(offset)
+        offset = _align(offset + size)
+    # Private copies of the out-of-band buffers, so nothing returned aliases the ring. Building
+    # the bytearray from the slice copies once (a zeroed bytearray would touch the memory twice).
+    buffers = [bytearray(view[start : start + size]) for start, size in zip(starts[1:], sizes[1:])]
+    return deserialize([view[starts[0] : starts[0] + sizes[0]], *buffers])

@@ -3,6 +3,9 @@
 Owns everything that must not outlive the engine: the processes, the broadcast queue's shared
 memory, each worker's response queue and the private ipc directory. `shutdown()` is idempotent
 and also runs at interpreter exit (the executor registers it with weakref.finalize).
+
+`WorkerGroupBase` is what every process layout shares (RayWorkerGroup is the other one): the
+queues, the record of a dead worker, the monitor thread and the order of shut-down.
 """
 
 from __future__ import annotations
@@ -27,16 +30,108 @@ _GRACEFUL_EXIT_S = 5.0
 _TERMINATE_EXIT_S = 2.0
 
 
-class WorkerGroup:
-    def __init__(self, config: Any, world_size: int, distributed_init_method: str) -> None:
-        self.dead_worker: tuple[int, int | None] | None = None
+class WorkerGroupBase:
+    """The surface MultiprocExecutor drives: broadcast_mq, response_mqs, dead_worker,
+    is_shut_down, start_monitor(on_death), shutdown(). A subclass starts the workers, and says
+    how to wait for one to die (`_wait_for_death`) and how to end them (`_stop_workers`).
+    """
+
+    def __init__(self) -> None:
+        # (rank, how it died), set once by the monitor thread.
+        self.dead_worker: tuple[int, str] | None = None
         self.is_shut_down = False
+        self.broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
-        self._procs: list[multiprocessing.process.BaseProcess] = []
         self._shutdown_lock = threading.Lock()
         self._monitor_thread: threading.Thread | None = None
-        self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
         self.ipc_dir = make_ipc_dir()
+
+    def _wait_for_death(self) -> tuple[int, str] | None:
+        """Blocks until a worker dies: returns (rank, how it died), or None once shut down."""
+        raise NotImplementedError
+
+    def _stop_workers(self) -> None:
+        """Ends every worker: `_ask_workers_to_stop`, then by force what is left."""
+        raise NotImplementedError
+
+    def _wake_monitor(self) -> None:
+        """Makes `_wait_for_death` return soon; shutdown() calls it first. Default: nothing."""
+
+    def _release(self) -> None:
+        """Frees what the subclass holds beyond workers and queues, last. Default: nothing."""
+
+    def start_monitor(self, on_death: Callable[[], None]) -> None:
+        self._monitor_thread = threading.Thread(
+            target=self._monitor, args=(on_death,), name="v1engine-worker-monitor", daemon=True
+        )
+        self._monitor_thread.start()
+
+    def _monitor(self, on_death: Callable[[], None]) -> None:
+        death = self._wait_for_death()
+        if death is None or self.is_shut_down:
+            return
+        self.dead_worker = death
+        # Wake everything blocked on the queues; callers then see dead_worker.
+        self._close_queues()
+        on_death()
+
+    def shutdown(self) -> None:
+        """Stops the workers, then removes every queue and shared resource; idempotent."""
+        with self._shutdown_lock:
+            if self.is_shut_down:
+                return
+            self.is_shut_down = True
+        self._wake_monitor()
+        monitor = self._monitor_thread
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join()
+        self._stop_workers()
+        self._close_queues()
+        # A killed worker could not remove its own queue; the names share the engine's prefix.
+        MessageQueue.remove_all(self.ipc_dir)
+        self._release()
+
+    def _ask_workers_to_stop(self) -> bool:
+        """Broadcasts SHUTDOWN to running workers. Returns: False when they cannot hear it."""
+        if self.dead_worker is not None or not self.response_mqs:
+            return False
+        try:
+            self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
+        except Exception:  # a wedged or dead worker: the caller ends it by force
+            return False
+        return True
+
+    def _worker_args(
+        self,
+        config: Any,
+        rank: int,
+        local_rank: int,
+        distributed_init_method: str,
+        response_host: str | None = None,
+    ) -> WorkerProcArgs:
+        return WorkerProcArgs(
+            config=config,
+            rank=rank,
+            local_rank=local_rank,
+            distributed_init_method=distributed_init_method,
+            broadcast_handle=self.broadcast_mq.export_handle(),
+            ipc_dir=self.ipc_dir,
+            response_host=response_host,
+        )
+
+    def _close_queues(self) -> None:
+        for mq in (self.broadcast_mq, *self.response_mqs):
+            if mq is not None:
+                mq.close()
+
+
+class WorkerGroup(WorkerGroupBase):
+    """Spawned worker processes on this node."""
+
+    def __init__(self, config: Any, world_size: int, distributed_init_method: str) -> None:
+        super().__init__()
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
         self.broadcast_mq = MessageQueue(world_size, ipc_dir=self.ipc_dir)
         try:
             self._start(config, world_size, distributed_init_method)
@@ -48,14 +143,7 @@ class WorkerGroup:
         context = multiprocessing.get_context("spawn")
         ready_conns = []
         for rank in range(world_size):
-            args = WorkerProcArgs(
-                config=config,
-                rank=rank,
-                local_rank=rank,
-                distributed_init_method=distributed_init_method,
-                broadcast_handle=self.broadcast_mq.export_handle(),
-                ipc_dir=self.ipc_dir,
-            )
+            args = self._worker_args(config, rank, rank, distributed_init_method)
             reader, writer = context.Pipe(duplex=False)
             proc = context.Process(
                 target=worker_main, args=(args, writer), name=f"V1EngineWorker-{rank}", daemon=True
@@ -102,49 +190,25 @@ class WorkerGroup:
     def _sentinels(self) -> list[int]:
         return [p.sentinel for p in self._procs if p.exitcode is None]
 
-    # -- monitoring ----------------------------------------------------------------------------
-    def start_monitor(self, on_death: Callable[[], None]) -> None:
-        self._monitor_thread = threading.Thread(
-            target=self._monitor, args=(on_death,), name="v1engine-worker-monitor", daemon=True
-        )
-        self._monitor_thread.start()
-
-    def _monitor(self, on_death: Callable[[], None]) -> None:
+    # -- monitoring and shut-down ------------------------------------------------------------
+    def _wait_for_death(self) -> tuple[int, str] | None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
         ready = wait([*sentinels, self._stop_r])
-        if self.is_shut_down or self._stop_r in ready:
-            return
+        if self._stop_r in ready:
+            return None
         rank = next(sentinels[s] for s in ready if s in sentinels)
         self._procs[rank].join(1.0)  # reap it, so its exit code is known
-        self.dead_worker = (rank, self._procs[rank].exitcode)
-        # Wake everything blocked on the queues; callers then see dead_worker.
-        self.broadcast_mq.close()
-        for mq in self.response_mqs:
-            mq.close()
-        on_death()
+        return rank, describe_exitcode(self._procs[rank].exitcode)
 
-    # -- shut-down -----------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Graceful stop, then SIGTERM, then SIGKILL; removes every shared resource."""
-        with self._shutdown_lock:
-            if self.is_shut_down:
-                return
-            self.is_shut_down = True
+    def _wake_monitor(self) -> None:
         self._stop_w.send(None)
-        monitor = self._monitor_thread
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join()
-        if self.dead_worker is None and self.response_mqs:
-            try:
-                self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
-            except Exception:  # a wedged or dead worker: terminate below
-                pass
+
+    def _stop_workers(self) -> None:
+        """Graceful stop, then SIGTERM, then SIGKILL."""
+        self._ask_workers_to_stop()
         self._stop_processes()
-        self.broadcast_mq.close()
-        for mq in self.response_mqs:
-            mq.close()
-        # A killed worker could not remove its own queue; the names share the engine's prefix.
-        MessageQueue.remove_all(self.ipc_dir)
+
+    def _release(self) -> None:
         self._stop_r.close()
         self._stop_w.close()
 

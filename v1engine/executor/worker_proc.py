@@ -1,5 +1,6 @@
 """The worker process: build the worker, report READY, then serve broadcast calls until told to
-stop. Runs in a spawned child; the parent side lives in multiproc_executor.py.
+stop. Runs in a spawned child; the parent side lives in multiproc_executor.py. A Ray actor
+(ray_worker.py) runs the same steps: build_worker, make_response_queue, serve_until_shutdown.
 
 Messages on the broadcast queue are `(call_id, method, args, kwargs, reply_rank)` or `SHUTDOWN`;
 each worker answers every call on its own response queue with `(call_id, ok, payload)`, where
@@ -38,6 +39,9 @@ class WorkerProcArgs:
     distributed_init_method: str
     broadcast_handle: Handle
     ipc_dir: str
+    # None: the engine shares this node, replies go through shared memory in ipc_dir. Else this
+    # node's IP address, on which the reply queue publishes over TCP to the engine's node.
+    response_host: str | None = None
 
 
 def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
@@ -46,8 +50,8 @@ def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
     response_mq: MessageQueue | None = None
     _watch_parent(args)
     try:
-        worker = _build_worker(args)
-        response_mq = MessageQueue(1, ipc_dir=args.ipc_dir)
+        worker = build_worker(args)
+        response_mq = make_response_queue(args)
         broadcast_mq = MessageQueue.create_from_handle(args.broadcast_handle, args.rank)
     except BaseException:
         ready_conn.send((FAILED, traceback.format_exc()))
@@ -57,17 +61,31 @@ def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
         raise SystemExit(1) from None
     ready_conn.send((READY, response_mq.export_handle()))
     ready_conn.close()
+    serve_until_shutdown(worker, args.rank, broadcast_mq, response_mq)
+
+
+def serve_until_shutdown(
+    worker: Any, rank: int, broadcast_mq: MessageQueue, response_mq: MessageQueue
+) -> None:
+    """Passes the queues' ready barriers, serves calls until SHUTDOWN or a closed queue, then
+    releases the worker and the queues."""
     try:
         broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
         response_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
-        _serve(worker, args.rank, broadcast_mq, response_mq)
+        _serve(worker, rank, broadcast_mq, response_mq)
     finally:
         worker.shutdown()
         broadcast_mq.close()
         response_mq.close()
 
 
-def _build_worker(args: WorkerProcArgs) -> Any:
+def make_response_queue(args: WorkerProcArgs) -> MessageQueue:
+    if args.response_host is None:
+        return MessageQueue(1, ipc_dir=args.ipc_dir)
+    return MessageQueue(1, n_local_reader=0, remote_host=args.response_host)
+
+
+def build_worker(args: WorkerProcArgs) -> Any:
     worker_cls = resolve_worker_cls(args.config.parallel_config.worker_cls)
     worker = worker_cls(
         config=args.config,
