@@ -56,14 +56,19 @@ class RayWorker:
             gpu_ids=tuple(str(i) for i in ray.get_gpu_ids()),
         )
 
-    def start(self, args: WorkerProcArgs, cuda_visible_devices: str | None) -> Handle:
+    def start(
+        self, args: WorkerProcArgs, cuda_visible_devices: str | None, local_world_size: int
+    ) -> Handle:
         """Builds the worker (init_device + load_model) and attaches the queues.
 
         Args:
             cuda_visible_devices: every GPU of this node's ranks, in local-rank order. Ray shows
                 an actor only its own GPU; the worker addresses `cuda:{local_rank}`.
+            local_world_size: ranks on this node, so CPU workers share its cores among
+                themselves only.
         """
         set_process_rank(args.rank)
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self._rank = args.rank

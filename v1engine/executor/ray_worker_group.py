@@ -15,6 +15,7 @@ kills the actors, removes the placement group and, if the engine started Ray, st
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import ray
@@ -112,11 +113,13 @@ class RayWorkerGroup(WorkerGroupBase):
         # Rank 0 hosts torch.distributed's store: on the driver's node whenever it has a rank.
         init_method = f"tcp://{self.node_infos[0].ip}:{self.node_infos[0].free_port}"
         visible = cuda_visible_devices(self.node_infos)
+        per_node = Counter(info.node_id for info in self.node_infos)
         refs = []
         for rank, local_rank in enumerate(local_ranks(self.node_infos)):
             response_host = None if is_local[rank] else self.node_infos[rank].ip
             args = self._worker_args(config, rank, local_rank, init_method, response_host)
-            refs.append(self.actors[rank].start.remote(args, visible[rank]))
+            node_ranks = per_node[self.node_infos[rank].node_id]
+            refs.append(self.actors[rank].start.remote(args, visible[rank], node_ranks))
         return self._wait_for_ready(refs)
 
     def _wait_for_ready(self, refs: list[Any]) -> list[Handle]:

@@ -71,7 +71,7 @@ class Worker(WorkerBase):
             self.device = _init_cuda_device(self.local_rank, world_size)
         else:
             self.device = torch.device("cpu")
-            _init_cpu_threads(self.local_rank, world_size)
+            _init_cpu_threads(self.local_rank, local_world_size(world_size))
             tune_malloc_for_tensors()
         check_dtype_supported(
             resolve_dtype(hf_config, model_config.dtype, device_type), self.device
@@ -191,6 +191,12 @@ def _init_cuda_device(local_rank: int, world_size: int) -> torch.device:
     torch.cuda.set_device(device)
     torch.cuda.empty_cache()
     return device
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks on this node: `LOCAL_WORLD_SIZE` (torchrun's name) when an executor spreads ranks
+    over several nodes (Ray sets it per node), else all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def _init_cpu_threads(local_rank: int, local_world_size: int) -> None:
