@@ -1,10 +1,10 @@
 """The one matmul every linear layer and the LM head call: y = x W^T + b.
 
-On CPU, torch's `F.linear` goes to MKL's sgemm, which on AMD Zen (AVX-512) runs at about half the
-speed of oneDNN's JIT kernels for the same shapes (`scripts/bench_gemm.py` measures both). So on
-CPU, float32 and bfloat16 inputs go through oneDNN's linear (`mkldnn._linear_pointwise`, the op
-torch's own CPU compiler emits for linear layers), with plain weights, so tensor-parallel shards
-and tied embeddings need no repacking. Anywhere else, or if this torch lacks the op, `F.linear`.
+On CPU, torch's `F.linear` goes to MKL's sgemm, which on the AMD EPYC (AVX-512) we benchmark on ran
+1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even at 1 token
+(`scripts/bench_gemm.py` measures both). So on CPU, float32 and bfloat16 inputs go through
+oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for linear
+layers), with plain weights, so tensor-parallel shards and tied embeddings need no repacking. Anywhere else, or if this torch lacks the op, `F.linear`.
 """
 
 from __future__ import annotations
