@@ -4,7 +4,8 @@ On CPU, torch's `F.linear` goes to MKL's sgemm, which on the AMD EPYC (AVX-512) 
 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even at 1 token
 (`scripts/bench_gemm.py` measures both). So on CPU, float32 and bfloat16 inputs go through
 oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for linear
-layers), with plain weights, so tensor-parallel shards and tied embeddings need no repacking. Anywhere else, or if this torch lacks the op, `F.linear`.
+layers), with plain weights, so tensor-parallel shards and tied embeddings need no repacking.
+Anywhere else, or if this torch lacks the op, `F.linear`.
 """
 
 from __future__ import annotations
