@@ -76,3 +76,8 @@ def ray_node_id(worker: WorkerBase) -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+def torch_threads(worker: WorkerBase) -> int:
+    """The intra-op thread count the worker settled on."""
+    return torch.get_num_threads()

@@ -18,7 +18,12 @@ import torch
 pytest.importorskip("ray")
 
 from tests.entrypoints.llm_utils import GREEDY, PROMPTS, hf_greedy, make_llm, token_ids  # noqa: E402
-from tests.executor.rpc_worker import process_id, rank_times, ray_node_id  # noqa: E402
+from tests.executor.rpc_worker import (  # noqa: E402
+    process_id,
+    rank_times,
+    ray_node_id,
+    torch_threads,
+)
 from tests.executor.test_multiproc_executor import BIG_BYTES, make_config  # noqa: E402
 from tests.model.checkpoints import load_hf_model, make_checkpoint  # noqa: E402
 from tests.process_utils import wait_gone  # noqa: E402
@@ -128,6 +133,10 @@ def test_tp2_across_nodes_equals_transformers_and_survives_nothing_when_killed(
         executor = llm.engine_core.executor
         nodes = executor.collective_rpc(ray_node_id)
         assert nodes[0] != nodes[1]
+        # Each rank is alone on its (simulated) node, so it takes all of the node's cores, not
+        # the half a 2-rank split of one node would give it.
+        cores = len(os.sched_getaffinity(0))
+        assert executor.collective_rpc(torch_threads) == [cores, cores]
         got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         assert got == hf_greedy(load_hf_model(checkpoint), PROMPTS, GREEDY.max_tokens)
 

@@ -23,6 +23,7 @@ from v1engine.executor.worker_proc import (
     serve_until_shutdown,
 )
 from v1engine.logger import set_process_rank
+from v1engine.worker.gpu_worker import LOCAL_WORLD_SIZE_ENV
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class RayWorker:
                 themselves only.
         """
         set_process_rank(args.rank)
-        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+        os.environ[LOCAL_WORLD_SIZE_ENV] = str(local_world_size)
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self._rank = args.rank

@@ -193,10 +193,14 @@ def _init_cuda_device(local_rank: int, world_size: int) -> torch.device:
     return device
 
 
+# Set in a worker's own process by an executor that spreads ranks over several nodes (Ray). Not
+# torchrun's LOCAL_WORLD_SIZE: an engine launched under torchrun must not inherit its meaning.
+LOCAL_WORLD_SIZE_ENV = "V1ENGINE_LOCAL_WORLD_SIZE"
+
+
 def local_world_size(world_size: int) -> int:
-    """Ranks on this node: `LOCAL_WORLD_SIZE` (torchrun's name) when an executor spreads ranks
-    over several nodes (Ray sets it per node), else all of them."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """Ranks on this node: what the executor set in LOCAL_WORLD_SIZE_ENV, else all of them."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE_ENV, world_size))
 
 
 def _init_cpu_threads(local_rank: int, local_world_size: int) -> None:
