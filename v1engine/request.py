@@ -59,6 +59,7 @@ def validate_request(
             )
     if request_id in live_request_ids:
         raise ValueError(f"request id {request_id!r} is already in use")
+    request.sampling_params.validate()
 
 
 class FinishReason(str, enum.Enum):

@@ -153,7 +153,7 @@ def test_startup_failure_raises_with_the_workers_traceback():
 
 
 def test_shutdown_is_idempotent_and_leaves_nothing():
-    client = EngineCoreClient.make_client(make_config(), multiprocess=True, asyncio_mode=False)
+    client = SyncMPClient(make_config())
     core_pid, worker_pids = client.core_pid, client.collective_rpc("get_pid")
     waiter_errors = []
 

@@ -158,6 +158,7 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.resources.close)
         try:
             self.info = self.resources.start(config)
+            self.core_pid: int = self.resources.proc.pid  # kept: the process object is closed later
         except BaseException:
             self._finalizer()
             raise
@@ -166,11 +167,6 @@ class MPClient(EngineCoreClient):
         atexit.register(self._finalizer)
         self.handler = OutputHandler(put_output)
         self._call_ids = itertools.count()
-
-    @property
-    def core_pid(self) -> int:
-        assert self.resources.proc is not None
-        return self.resources.proc.pid
 
     def shutdown(self) -> None:
         self.handler.set_dead("the engine core client was shut down")
