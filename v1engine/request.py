@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Container
 
 import msgspec
 
@@ -17,13 +18,48 @@ from v1engine.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One generation request, already tokenized; validated by `EngineCore.add_request`."""
+    """One generation request, already tokenized; see `validate_request`."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = msgspec.field(default_factory=time.time)
+
+
+def validate_request(
+    request: EngineCoreRequest,
+    max_model_len: int,
+    vocab_size: int | None,
+    live_request_ids: Container[str],
+) -> None:
+    """The one check of a request against the engine's limits: at the edge (the processor,
+    before anything is sent) and again in the core, which cannot trust its socket.
+
+    Raises:
+        ValueError: the request cannot be served; the message says why and what to change.
+    """
+    request_id, prompt = request.request_id, request.prompt_token_ids
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a str, got {request_id!r}")
+    if not prompt:
+        raise ValueError(f"request {request_id!r}: the prompt is empty")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"request {request_id!r}: the prompt has {len(prompt)} tokens but max_model_len is "
+            f"{max_model_len}, leaving no room for output; shorten the prompt or raise "
+            "max_model_len"
+        )
+    if vocab_size is not None:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    if request_id in live_request_ids:
+        raise ValueError(f"request id {request_id!r} is already in use")
+    request.sampling_params.validate()
 
 
 class FinishReason(str, enum.Enum):

@@ -32,6 +32,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range. Runs at construction (and when
+        msgspec decodes one); `validate_request` runs it again for params changed since."""
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(
             self.max_tokens is None or self.max_tokens >= 1,

@@ -9,20 +9,25 @@ sampled tokens into per-request outputs.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from v1engine.config import EngineConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_configs
-from v1engine.core.protocol import EngineInfo, check_request
 from v1engine.core.scheduler import Scheduler
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.executor.abstract import Executor
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.outputs import ModelRunnerOutput
-from v1engine.request import EngineCoreOutputs, EngineCoreRequest, Request, RequestStatus
+from v1engine.request import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Request,
+    RequestStatus,
+    validate_request,
+)
 
 logger = init_logger(__name__)
 
@@ -50,7 +55,12 @@ class EngineCore:
             raise
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, kv_cache_config)
         hf_config = config.model_config.hf_config
-        self.vocab_size: int | None = getattr(hf_config, "vocab_size", None)
+        self.info = EngineCoreInfo(
+            num_blocks=kv_cache_config.num_blocks,
+            block_size=config.cache_config.block_size,
+            max_model_len=config.scheduler_config.max_model_len,
+            vocab_size=getattr(hf_config, "vocab_size", None),
+        )
         logger.info(
             "Engine ready in %.2f s (%s)",
             sum(self._startup_s.values()),
@@ -93,14 +103,9 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request. Raises ValueError (and changes nothing) when it cannot be served."""
-        self._validate(request)
-        max_model_len = self.config.scheduler_config.max_model_len
-        self.scheduler.add_request(Request.from_engine_core_request(request, max_model_len))
-
-    def _validate(self, request: EngineCoreRequest) -> None:
-        # The same checks the multiprocess client runs before sending (one copy, in protocol).
-        info = EngineInfo(os.getpid(), self.config.scheduler_config.max_model_len, self.vocab_size)
-        check_request(request, info, self.scheduler.requests.keys())
+        info = self.info
+        validate_request(request, info.max_model_len, info.vocab_size, self.scheduler.requests)
+        self.scheduler.add_request(Request.from_engine_core_request(request, info.max_model_len))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

@@ -15,7 +15,6 @@ holds back `max(len(stop)) - 1` characters; holding back only a real partial mat
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
@@ -38,24 +37,6 @@ OutputKind = Literal["cumulative", "delta", "final"]
 _OUTPUT_KINDS = ("cumulative", "delta", "final")
 # Decodes one token id on its own, for `Logprob.decoded_token`.
 _TokenDecoder = Callable[[int], str]
-
-
-def make_child_requests(
-    parent_id: str, sampling_params: SamplingParams
-) -> list[tuple[str, int, SamplingParams]]:
-    """The n core requests behind one n > 1 request: `(child_id, index, child_params)` each.
-
-    Children are ids f"{index}_{parent_id}" with n=1, and seed+index when seeded, so the n
-    samples differ yet a seeded request is reproducible. Register each child with
-    `OutputProcessor.add_request(child_id, ..., sampling_params, parent_id=parent_id, index=index)`
-    passing the parent's `sampling_params`.
-    """
-    children = []
-    for index in range(sampling_params.n):
-        seed = None if sampling_params.seed is None else sampling_params.seed + index
-        child_params = dataclasses.replace(sampling_params, n=1, seed=seed)
-        children.append((f"{index}_{parent_id}", index, child_params))
-    return children
 
 
 class RequestState:
@@ -249,7 +230,7 @@ class OutputProcessor:
             sampling_params: the request's params; for a child of an n > 1 request, the parent's
                 (its n is the number of children the parent output waits for).
             output_kind: "cumulative", "delta" (streaming) or "final".
-            parent_id, index: set for the children made by `make_child_requests`.
+            parent_id, index: set for the children made by `processor.make_child_requests`.
 
         Raises:
             ValueError: a duplicate id or child index, an unknown output_kind, or index >= n.

@@ -1,4 +1,6 @@
-"""LLM: offline batch generation. The engine core runs in this process; its workers do not."""
+"""LLM: offline batch generation. The engine core runs in this process (an `InprocClient`);
+its workers do not. Prompts go through the same `Processor` as the API server's.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +11,13 @@ from typing import Any
 from tqdm import tqdm
 
 from v1engine.core.engine_core import EngineCore
-from v1engine.engine.output_processor import OutputProcessor, make_child_requests
+from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine.output_processor import OutputProcessor
+from v1engine.engine.processor import Processor, PromptType
 from v1engine.engine.request_output import RequestOutput
-from v1engine.engine.tokenizer import eos_token_id, load_tokenizer
+from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
-from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
-
-# A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
-PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -38,10 +38,16 @@ class LLM:
             model = default_model_path()
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.model_config)
-        self.eos_token_id = eos_token_id(self.tokenizer, self.config.model_config.hf_config)
-        self.engine_core = EngineCore(self.config)
+        self.client = EngineCoreClient.make_client(
+            self.config, multiprocess=False, asyncio_mode=False
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.processor = Processor(self.config, self.tokenizer, self.output_processor)
         self._request_ids = itertools.count()
+
+    @property
+    def engine_core(self) -> EngineCore:
+        return self.client.engine_core
 
     def generate(
         self,
@@ -67,13 +73,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, via the chat template."""
-        if self.tokenizer is None:
-            raise ValueError("chat() needs a tokenizer; do not set skip_tokenizer_init")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-            for c in conversations
-        ]
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text, token_ids = self.processor.render_chat(conversation)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -81,64 +85,36 @@ class LLM:
         parent_ids: list[str] = []
         try:
             for prompt, sampling_params in zip(prompts, params):
-                text, token_ids = self._tokenize(prompt, sampling_params)
+                text, token_ids = self.processor.tokenize(prompt)
                 parent_id = str(next(self._request_ids))
                 parent_ids.append(parent_id)
-                self._add_request(parent_id, text, token_ids, sampling_params)
+                requests = self.processor.process(
+                    parent_id, text, token_ids, sampling_params, "final"
+                )
+                for request in requests:
+                    self.client.add_request(request)
         except BaseException:
-            self._abort(parent_ids)
+            self.client.abort_requests(self.processor.abort(parent_ids))
             raise
         return parent_ids
-
-    def _add_request(
-        self, parent_id: str, text: str | None, token_ids: list[int], params: SamplingParams
-    ) -> None:
-        for child_id, index, child_params in make_child_requests(parent_id, params):
-            request = EngineCoreRequest(child_id, token_ids, child_params, self.eos_token_id)
-            self.engine_core.add_request(request)
-            self.output_processor.add_request(
-                child_id, text, token_ids, params, "final", parent_id=parent_id, index=index
-            )
-
-    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list]:
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, prompt
-        raise ValueError(
-            f"a prompt must be a str, a list of token ids or a dict with 'prompt' or "
-            f"'prompt_token_ids', got {type(prompt).__name__}"
-        )
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=num_requests, desc="Generating", disable=not use_tqdm) as bar:
             while self.output_processor.has_unfinished_requests():
-                outputs = self.engine_core.step().outputs
+                outputs = self.client.get_output().outputs
                 request_outputs, to_abort = self.output_processor.process_outputs(outputs)
                 if to_abort:  # stopped by a stop string while the core was still running it
-                    self.engine_core.abort_requests(to_abort)
+                    self.client.abort_requests(to_abort)
                 for output in request_outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
         return finished
 
-    def _abort(self, parent_ids: list[str]) -> None:
-        core_ids = self.output_processor.abort_requests(parent_ids)
-        self.engine_core.abort_requests(core_ids)
-
     # -- lifetime ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self.client.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -1,4 +1,4 @@
-"""The API server's app and AsyncEngine in-process, over a fake engine client: the paths that are
+"""The API server's app and AsyncLLM in-process, over a fake engine client: the paths that are
 hard to time against a real engine (its death mid-request, a stop string the core does not see, a
 cancelled stream, a refused n > 1 child). No processes are started.
 """
@@ -12,11 +12,11 @@ import httpx
 import pytest
 
 from v1engine.config import EngineConfig
-from v1engine.core.core_client import EngineDeadError
+from v1engine.engine.async_llm import AsyncLLM
+from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.api_server import build_app, build_state
-from v1engine.entrypoints.openai.async_engine import AsyncEngine
-from v1engine.entrypoints.openai.metrics import ServerMetrics
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from v1engine.sampling_params import SamplingParams
 from v1engine.serve import make_arg_parser
@@ -63,16 +63,16 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def _make(tokenizer, client: FakeClient) -> tuple[AsyncEngine, httpx.AsyncClient, list]:
+def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, list]:
     dead_calls: list[bool] = []
-    engine = AsyncEngine(client, tokenizer, EngineConfig(), ServerMetrics())
+    engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics())
     engine.start(on_dead=lambda: dead_calls.append(True))
     app = build_app(build_state(engine, tokenizer, ["m"], "/model"))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
     return engine, http, dead_calls
 
 
-def _finished(engine: AsyncEngine, outcome: str) -> float:
+def _finished(engine: AsyncLLM, outcome: str) -> float:
     registry = engine.metrics.registry
     return registry.get_sample_value("v1engine:requests_total", {"outcome": outcome})
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible API server: the FastAPI app, its routes, and `run_server`.
 
-Processes: this one (uvicorn, tokenizer, detokenizer, one AsyncEngine output loop) -> the
+Processes: this one (uvicorn, tokenizer, detokenizer, one AsyncLLM output loop) -> the
 engine core process -> one worker per device. Lifetime:
 - start-up: bind the socket, start the engine (Ctrl-C or SIGTERM here stops it cleanly), log
   one line, serve;
@@ -28,12 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from v1engine import __version__
 from v1engine.config import EngineConfig
-from v1engine.core.core_client import EngineCoreClient
+from v1engine.engine.async_llm import AsyncLLM
+from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
-from v1engine.entrypoints.openai.async_engine import AsyncEngine
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
-from v1engine.entrypoints.openai.metrics import ServerMetrics
 from v1engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +45,6 @@ from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from v1engine.entrypoints.openai.startup import (
     bind_socket,
     describe_kv_capacity,
-    kv_cache_num_blocks,
     log_startup_line,
     served_model_names,
 )
@@ -54,12 +53,11 @@ from v1engine.logger import init_logger
 logger = init_logger(__name__)
 
 _GRACEFUL_SHUTDOWN_S = 5.0
-_KV_QUERY_TIMEOUT_S = 30.0
 
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncLLM
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     metrics: ServerMetrics
@@ -148,9 +146,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def build_state(
-    engine: AsyncEngine, tokenizer: Any, names: list[str], model_path: str
-) -> ServerState:
+def build_state(engine: AsyncLLM, tokenizer: Any, names: list[str], model_path: str) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
     return ServerState(
         engine=engine,
@@ -184,7 +180,7 @@ def run_server(args: argparse.Namespace) -> int:
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
         try:
             state = build_state(
-                AsyncEngine(client, tokenizer, config, ServerMetrics()),
+                AsyncLLM(client, tokenizer, config, ServerMetrics()),
                 tokenizer,
                 names,
                 engine_args.model,
@@ -210,10 +206,7 @@ async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int
     )
     engine.start(on_dead=lambda: setattr(server, "should_exit", True))
     try:
-        num_blocks = await _query_kv_cache_num_blocks(engine)
-        kv = describe_kv_capacity(
-            num_blocks, config.cache_config.block_size, config.scheduler_config.max_model_len
-        )
+        kv = describe_kv_capacity(engine.client.info)
         names = state.completion.served_model_names
         log_startup_line(sock.getsockname(), state.model_path, names, config, kv)
         # uvicorn handles SIGINT/SIGTERM while serving, then restores these handlers and
@@ -230,16 +223,6 @@ async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int
         return 1
     logger.info("server stopped")
     return 0
-
-
-async def _query_kv_cache_num_blocks(engine: AsyncEngine) -> int | None:
-    try:
-        return await engine.client.collective_rpc(
-            kv_cache_num_blocks, timeout=_KV_QUERY_TIMEOUT_S, unique_reply_rank=0
-        )
-    except Exception as e:  # a custom worker_cls without a model runner: size unknown
-        logger.warning("could not read the KV cache size from the workers: %s", e)
-        return None
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -40,9 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_num_logprobs(request.top_logprobs, "top_logprobs")
-        prompt = self._apply_chat_template(request)
-        # The template already wrote the special tokens (BOS, role markers) it wants.
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        prompt, token_ids = self._render(request)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
         request_id, outputs = await self.add_request(
@@ -70,16 +68,14 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    def _apply_chat_template(self, request: ChatCompletionRequest) -> str:
+    def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
         messages = [_as_template_message(message) for message in request.messages]
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=False
-            )
-        except Exception as e:  # jinja errors, or a tokenizer without a chat template
-            raise APIError(f"cannot apply the chat template: {e}", param="messages") from e
+            return self.engine.processor.render_chat(messages, request.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
 
     async def _stream_chunks(
         self, request_id: str, outputs: AsyncIterator[RequestOutput], request: ChatCompletionRequest

@@ -1,7 +1,7 @@
 """OpenAIServing: what the completion and chat endpoints share.
 
 That is the model-name check, the length check against the context, adding a request to the
-AsyncEngine with its errors mapped to HTTP statuses, waiting for a final output while watching
+AsyncLLM with its errors mapped to HTTP statuses, waiting for a final output while watching
 for the client to disconnect, server-sent events and usage.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from v1engine.core.core_client import EngineDeadError
+from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError
+from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.engine.request_output import CompletionOutput, Logprob, RequestOutput
-from v1engine.entrypoints.openai.async_engine import AsyncEngine, RequestAbortedError
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from v1engine.logger import init_logger
@@ -35,7 +35,7 @@ MAX_LOGPROBS = 20
 
 class OpenAIServing:
     """Args:
-    engine: the running AsyncEngine.
+    engine: the running AsyncLLM.
     tokenizer: the model's tokenizer.
     served_model_names: the names clients may send as `model`; the first is reported back.
     max_model_len: the context length, prompt and output together.
@@ -43,7 +43,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncLLM,
         tokenizer: Any,
         served_model_names: list[str],
         max_model_len: int,
@@ -167,7 +167,7 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-async def _abort_on_disconnect(raw_request: Request, engine: AsyncEngine, request_id: str) -> None:
+async def _abort_on_disconnect(raw_request: Request, engine: AsyncLLM, request_id: str) -> None:
     # Once the body is read, the next ASGI message is the disconnect (or, from uvicorn, a
     # disconnect once the response is complete, by which time this task is cancelled).
     while (await raw_request.receive())["type"] != "http.disconnect":

@@ -1,8 +1,5 @@
-"""Start-up pieces of the API server: the listening socket, the served model names, the KV
-capacity query and the one start-up line.
-
-Imports only the standard library at the top: `kv_cache_num_blocks` runs inside the workers
-(through `collective_rpc`), which import this module to find it.
+"""Start-up pieces of the API server: the listening socket, the served model names and the one
+start-up line (which reports the KV cache the engine's READY message described).
 """
 
 from __future__ import annotations
@@ -11,6 +8,7 @@ import os
 import socket
 from typing import Any
 
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -52,22 +50,11 @@ def served_model_names(
     return [os.path.splitext(os.path.basename(model_path))[0]]
 
 
-def kv_cache_num_blocks(worker: Any) -> int:
-    """Runs in a worker: the number of KV cache blocks it allocated (0 for no attention)."""
-    kv_caches = worker.model_runner.kv_caches
-    if not kv_caches:
-        return 0
-    key_cache, _ = next(iter(kv_caches.values()))  # [num_blocks, block_size, heads, head_size]
-    return int(key_cache.shape[0])
-
-
-def describe_kv_capacity(num_blocks: int | None, block_size: int, max_model_len: int) -> str:
-    if num_blocks is None:
-        return "KV cache size unknown"
-    num_tokens = num_blocks * block_size
+def describe_kv_capacity(info: EngineCoreInfo) -> str:
+    num_tokens = info.num_blocks * info.block_size
     return (
-        f"KV cache {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens "
-        f"({num_tokens / max_model_len:.1f}x max_model_len {max_model_len})"
+        f"KV cache {info.num_blocks} blocks x {info.block_size} tokens = {num_tokens} tokens "
+        f"({num_tokens / info.max_model_len:.1f}x max_model_len {info.max_model_len})"
     )
 
 

@@ -4,7 +4,7 @@ Every message is a ZeroMQ multipart message `[type tag, msgpack payload]`, encod
 never pickle, so a process that can write to the socket cannot make the other run code.
 
 Client -> core, on the input socket (client PUSH binds, core PULL connects):
-    ADD       EngineCoreRequest; the client validated it already (see `check_request`)
+    ADD       EngineCoreRequest; the client validated it already (`validate_request`)
     ABORT     list[str]: request ids; no output follows but what was already sent
     UTILITY   UtilityCall(call_id, method, kwargs): "collective_rpc" or "reset_prefix_cache"
     SHUTDOWN  empty: stop the workers and exit 0
@@ -16,24 +16,27 @@ Core -> client, on the output socket (client PULL binds, core PUSH connects):
                     through; the client finishes that request with finish_reason "abort"
     ENGINE_DEAD     str: why the core stopped (a worker died, the loop crashed); it then exits 1
 
-Start-up goes over a one-way pipe, also msgpack: `[READY, EngineInfo]` once the engine is built,
-or `[FAILED, exception type name, traceback]`.
+Start-up goes over a one-way pipe, also msgpack: `[READY, EngineCoreInfo]` once the engine is
+built, or `[FAILED, exception type name, traceback]`. `EngineCoreInfo` is everything a front end
+needs from the engine (the KV cache's size for its start-up line, the limits requests are checked
+against), so no front end ever calls into the workers.
 
-Bad input is reported synchronously by the client: READY carries the limits the core checks
-(max_model_len, vocab size), so `add_request` validates, raises ValueError and sends nothing,
-without a round trip per request. The core validates again; REQUEST_ERROR is the safety net.
+Bad input is reported synchronously by the client: with READY's limits it runs
+`request.validate_request` itself, raises ValueError and sends nothing, without a round trip per
+request. The core validates again (it cannot trust the socket); REQUEST_ERROR is the safety net.
+
+Both processes import this module, so it is a leaf: the core package never imports the client's.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from v1engine.executor.errors import RemoteFailure, WorkerError
-from v1engine.request import EngineCoreRequest
 
 READY = "READY"
 FAILED = "FAILED"
@@ -57,12 +60,13 @@ class EngineCoreOutputType(bytes, enum.Enum):
     ENGINE_DEAD = b"\x13"
 
 
-class EngineInfo(msgspec.Struct, array_like=True):
-    """What the client learns at READY: the limits `check_request` enforces."""
+class EngineCoreInfo(msgspec.Struct, array_like=True):
+    """What a front end learns from the engine once it is built (READY, or `EngineCore.info`)."""
 
-    pid: int
+    num_blocks: int  # KV cache blocks per worker (0: the workers have no attention layers)
+    block_size: int  # tokens per block
     max_model_len: int
-    vocab_size: int | None
+    vocab_size: int | None  # None: a model-free worker class (requests' ids go unchecked)
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
@@ -124,36 +128,6 @@ def make_error(result: UtilityResult) -> Exception:
     if error_cls is not None:
         return error_cls(result.error_message)
     return RuntimeError(f"{result.error_type}: {result.error_message}")
-
-
-def check_request(request: EngineCoreRequest, info: EngineInfo, live_ids: Collection[str]) -> None:
-    """The checks of `EngineCore.add_request`, run in the client so bad input raises at once.
-
-    Raises:
-        ValueError: the request cannot be served; the message says why and what to change.
-    """
-    prompt = request.prompt_token_ids
-    if not isinstance(request.request_id, str):
-        raise ValueError(f"request_id must be a str, got {request.request_id!r}")
-    if not prompt:
-        raise ValueError(f"request {request.request_id!r}: the prompt is empty")
-    if len(prompt) >= info.max_model_len:
-        raise ValueError(
-            f"request {request.request_id!r}: the prompt has {len(prompt)} tokens but "
-            f"max_model_len is {info.max_model_len}, leaving no room for output; shorten the "
-            "prompt or raise max_model_len"
-        )
-    if info.vocab_size is not None:
-        bad = [t for t in prompt if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {request.request_id!r}: token ids {bad[:5]} are outside the "
-                f"vocabulary [0, {info.vocab_size})"
-            )
-    if request.request_id in live_ids:
-        raise ValueError(f"request id {request.request_id!r} is already in use")
-    # The caller may have changed the params after construction; their own checks run again.
-    request.sampling_params.__post_init__()
 
 
 def collective_rpc_kwargs(

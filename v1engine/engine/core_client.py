@@ -1,15 +1,16 @@
 """EngineCoreClient: how a front end drives an EngineCore, in this process or in its own.
 
-    client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=False)
-    client.add_request(request)          # ValueError at once for bad input; nothing is sent
-    outputs = client.get_output(timeout)  # EngineCoreOutputs of one step
-    client.collective_rpc("get_pid")
-    client.shutdown()                     # idempotent; also runs at interpreter exit
+    client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
+    await client.add_request(request)      # ValueError at once for bad input; nothing is sent
+    outputs = await client.get_output()    # EngineCoreOutputs of one step
+    await client.collective_rpc("get_pid")
+    client.shutdown()                      # idempotent; also runs at interpreter exit
 
-`InprocClient` wraps an EngineCore directly: `get_output()` runs one step. `SyncMPClient` and
-`AsyncMPClient` run it in an `EngineCoreProc` and talk the protocol of protocol.py; the asyncio
-client offers the same methods as coroutines (`shutdown()` stays synchronous), reading outputs in
-event-loop callbacks. When the core process or a worker dies, every pending and later call raises
+`InprocClient` (the `LLM` class's) wraps an EngineCore directly: `get_output()` runs one step.
+`AsyncMPClient` (the API server's) runs it in an `EngineCoreProc` (core_process.py) and speaks
+core_protocol.py; its methods are coroutines (`shutdown()` stays synchronous) and it reads outputs
+in event-loop callbacks. `MPClient` is what any client of a core process needs (the tests add a
+blocking one on it). When the core process or a worker dies, every pending and later call raises
 EngineDeadError, with the reason, within about a second.
 """
 
@@ -18,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
-import queue
-import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -30,35 +29,28 @@ from typing import Any
 import zmq
 
 from v1engine.config import EngineConfig
-from v1engine.core.background_resources import BackgroundResources
 from v1engine.core.engine_core import EngineCore
-from v1engine.core.output_handler import (
-    DEAD,
-    EngineDeadError,
-    OutputHandler,
-    read_outputs_in_loop,
-    read_outputs_until_exit,
-)
-from v1engine.core.protocol import (
+from v1engine.core_protocol import (
+    EngineCoreInfo,
     EngineCoreRequestType,
     UtilityCall,
-    check_request,
     collective_rpc_kwargs,
     encode,
 )
+from v1engine.engine.core_process import (
+    DEAD,
+    CoreProcess,
+    EngineDeadError,
+    OutputHandler,
+    read_outputs_in_loop,
+)
 from v1engine.executor.errors import WorkerDiedError
-from v1engine.request import EngineCoreOutputs, EngineCoreRequest
+from v1engine.request import EngineCoreOutputs, EngineCoreRequest, validate_request
 
-__all__ = [
-    "AsyncMPClient",
-    "EngineCoreClient",
-    "EngineDeadError",
-    "InprocClient",
-    "SyncMPClient",
-]
+__all__ = ["AsyncMPClient", "EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient"]
 
-_SEND_RETRY_S = 1.0  # a send that finds no reader waits this long for the core to reconnect
-_SEND_RETRY_SLICE_S = 0.01
+SEND_RETRY_S = 1.0  # a send that finds no reader waits this long for the core to reconnect
+SEND_RETRY_SLICE_S = 0.01
 
 
 class EngineCoreClient(ABC):
@@ -70,21 +62,21 @@ class EngineCoreClient(ABC):
         EngineDeadError: the engine core or one of its workers died, or the client was shut down.
     """
 
+    # The engine's limits and KV cache size (see core_protocol.EngineCoreInfo).
+    info: EngineCoreInfo
+
     @staticmethod
     def make_client(
         config: EngineConfig, multiprocess: bool, asyncio_mode: bool
-    ) -> InprocClient | SyncMPClient | AsyncMPClient:
-        """InprocClient, SyncMPClient or AsyncMPClient, as the flags say."""
-        if asyncio_mode and not multiprocess:
+    ) -> InprocClient | AsyncMPClient:
+        """InprocClient (in-process, blocking) or AsyncMPClient (its own process, asyncio)."""
+        if asyncio_mode != multiprocess:
             raise ValueError(
-                "asyncio_mode needs multiprocess=True: an in-process engine core would block "
-                "the event loop for every step"
+                "choose multiprocess=True with asyncio_mode=True (the API server's client), or "
+                "both False (the LLM class's); an in-process core would block the event loop for "
+                "every step, and a blocking client of a core process is a test helper"
             )
-        if asyncio_mode:
-            return AsyncMPClient(config)
-        if multiprocess:
-            return SyncMPClient(config)
-        return InprocClient(config)
+        return AsyncMPClient(config) if multiprocess else InprocClient(config)
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -102,6 +94,7 @@ class InprocClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine_core = EngineCore(config)
+        self.info = self.engine_core.info
         self._dead_reason: str | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -161,10 +154,11 @@ class MPClient(EngineCoreClient):
     """
 
     def __init__(self, config: EngineConfig, put_output: Callable[[Any], None]) -> None:
-        self.resources = BackgroundResources()
+        self.resources = CoreProcess()
         self._finalizer = weakref.finalize(self, self.resources.close)
         try:
             self.info = self.resources.start(config)
+            self.core_pid: int = self.resources.proc.pid  # kept: the process object is closed later
         except BaseException:
             self._finalizer()
             raise
@@ -173,10 +167,6 @@ class MPClient(EngineCoreClient):
         atexit.register(self._finalizer)
         self.handler = OutputHandler(put_output)
         self._call_ids = itertools.count()
-
-    @property
-    def core_pid(self) -> int:
-        return self.info.pid
 
     def shutdown(self) -> None:
         self.handler.set_dead("the engine core client was shut down")
@@ -191,7 +181,8 @@ class MPClient(EngineCoreClient):
         handler = self.handler
         with handler.lock:
             handler.raise_if_dead()
-            check_request(request, self.info, handler.live_request_ids)
+            info = self.info
+            validate_request(request, info.max_model_len, info.vocab_size, handler.live_request_ids)
             handler.live_request_ids.add(request.request_id)
         try:
             return encode(EngineCoreRequestType.ADD, request)
@@ -239,70 +230,6 @@ class MPClient(EngineCoreClient):
     def _unreachable(self) -> EngineDeadError:
         reason = self.handler.dead_reason
         return EngineDeadError(reason or f"the engine core (pid {self.core_pid}) stopped reading")
-
-
-class SyncMPClient(MPClient):
-    """The engine core in a background process; an output thread feeds a queue."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        super().__init__(config, self._outputs.put)
-        thread = threading.Thread(
-            target=read_outputs_until_exit,
-            args=(self.handler, self.resources),
-            name="v1engine-core-output",
-            daemon=True,
-        )
-        self.resources.reader_thread = thread
-        thread.start()
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Raises ValueError (sending nothing) when the request cannot be served."""
-        self._send(self._add_frames(request))
-
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self._send(self._abort_frames(request_ids))
-
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """The outputs of the next step that produced tokens.
-
-        Raises:
-            TimeoutError: nothing arrived within `timeout` seconds.
-        """
-        try:
-            item = self._outputs.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no engine core output within {timeout} s") from None
-        if item is DEAD:
-            self._outputs.put(DEAD)  # every later call fails too
-            raise EngineDeadError(self.handler.dead_reason)
-        return item
-
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-    ) -> Any:
-        """As `Executor.collective_rpc`; arguments and results must be msgpack-able."""
-        return self._call(*self._rpc_frames(method, args, kwargs, timeout, unique_reply_rank))
-
-    def reset_prefix_cache(self) -> bool:
-        return self._call(*self._utility_frames("reset_prefix_cache"))
-
-    def _call(self, call_id: int, frames: list[bytes]) -> Any:
-        future = self.handler.register_call(call_id, None)
-        self._send(frames)
-        return future.result()
-
-    def _send(self, frames: list[bytes]) -> None:
-        deadline = time.monotonic() + _SEND_RETRY_S
-        while not self._try_send(frames):
-            if self.handler.dead_reason is not None or time.monotonic() > deadline:
-                raise self._unreachable()
-            time.sleep(_SEND_RETRY_SLICE_S)
 
 
 class AsyncMPClient(MPClient):
@@ -370,11 +297,11 @@ class AsyncMPClient(MPClient):
         return await future
 
     async def _send(self, frames: list[bytes]) -> None:
-        deadline = time.monotonic() + _SEND_RETRY_S
+        deadline = time.monotonic() + SEND_RETRY_S
         while not self._try_send(frames):
             if self.handler.dead_reason is not None or time.monotonic() > deadline:
                 raise self._unreachable()
-            await asyncio.sleep(_SEND_RETRY_SLICE_S)
+            await asyncio.sleep(SEND_RETRY_SLICE_S)
 
     def _attached(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""Run as a subprocess by test_engine_core_proc.py: start a SyncMPClient, print what it created
+"""Run as a subprocess by test_core_client.py: start a SyncMPClient, print what it created
 as one JSON line, then either wait mid-generation to be killed or exit without shutdown().
 """
 
@@ -9,7 +9,7 @@ import sys
 import time
 
 from tests.core.counting_worker import make_config
-from v1engine.core.core_client import SyncMPClient
+from tests.engine.sync_client import SyncMPClient
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 

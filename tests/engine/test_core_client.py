@@ -1,5 +1,6 @@
-"""EngineCoreProc behind its clients, with real processes: a core process and two workers of
-the model-free CountingWorker, which generates (last token + 1) % VOCAB_SIZE.
+"""The engine-core clients and the core process (core/core_proc.py) behind them, with real
+processes: a core process and two workers of the model-free CountingWorker, which generates
+(last token + 1) % VOCAB_SIZE.
 
 Resources the core process creates are named after its pid, not this one, so the leak fixture
 cannot see them: tests that stop or kill an engine check them by name (`wait_no_leftovers`).
@@ -22,16 +23,16 @@ from tests.core.counting_worker import (
     make_config,
     rank_times,
 )
-from tests.core.engine_proc_utils import collect, core_request
+from tests.engine.core_utils import collect, core_request
+from tests.engine.sync_client import SyncMPClient
 from tests.process_utils import alive, start_json_script, wait_gone, wait_no_leftovers
-from v1engine.core.core_client import (
+from v1engine.core_protocol import EngineCoreRequestType, encode
+from v1engine.engine.core_client import (
     AsyncMPClient,
     EngineCoreClient,
     EngineDeadError,
     InprocClient,
-    SyncMPClient,
 )
-from v1engine.core.protocol import EngineCoreRequestType, encode
 from v1engine.executor.errors import WorkerError
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
@@ -152,7 +153,7 @@ def test_startup_failure_raises_with_the_workers_traceback():
 
 
 def test_shutdown_is_idempotent_and_leaves_nothing():
-    client = EngineCoreClient.make_client(make_config(), multiprocess=True, asyncio_mode=False)
+    client = SyncMPClient(make_config())
     core_pid, worker_pids = client.core_pid, client.collective_rpc("get_pid")
     waiter_errors = []
 
@@ -186,8 +187,9 @@ def test_inproc_client_has_the_same_api():
         assert client.reset_prefix_cache() is True
     finally:
         client.shutdown()
-    with pytest.raises(ValueError, match="asyncio_mode needs multiprocess"):
-        EngineCoreClient.make_client(make_config(), multiprocess=False, asyncio_mode=True)
+    for multiprocess, asyncio_mode in ((False, True), (True, False)):
+        with pytest.raises(ValueError, match="choose multiprocess=True with asyncio_mode=True"):
+            EngineCoreClient.make_client(make_config(), multiprocess, asyncio_mode)
 
 
 # -- deaths -----------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def test_core_exits_with_its_client(mode):
     """SIGKILL of the client mid-generation, or its exit without shutdown(): the core and its
     workers exit and remove everything, the client's ipc directory included."""
     proc, info = start_json_script(
-        "tests.core.client_script", "wait" if mode == "sigkill" else "exit"
+        "tests.engine.client_script", "wait" if mode == "sigkill" else "exit"
     )
     if mode == "sigkill":
         proc.kill()

@@ -1,7 +1,7 @@
-"""AsyncEngine: the API server's asyncio front of an engine core process.
+"""AsyncLLM: the API server's asyncio front of an engine core process (vLLM's name).
 
-It owns the `AsyncMPClient`, the `OutputProcessor` (detokenizer, stop strings, n > 1 fan-in)
-and one output loop task, which is the only reader of the client:
+It owns the `AsyncMPClient`, the `Processor` (prompt -> core requests), the `OutputProcessor`
+(detokenizer, stop strings, n > 1 fan-in) and one output loop task, the client's only reader:
 
     while True:
         outputs = await client.get_output()          # one engine step
@@ -10,9 +10,10 @@ and one output loop task, which is the only reader of the client:
         put each RequestOutput on its request's asyncio.Queue
 
 Each HTTP handler adds its request (`add_request`, which raises ValueError for bad input before
-anything is sent) and iterates the outputs it returns; leaving that iteration early (client
-gone, handler cancelled) aborts the request in the core. When the engine dies, every queue gets the
-EngineDeadError, later calls raise it, and `on_dead` runs once (the server then exits).
+anything is sent) and iterates the outputs it returns (one asyncio.Queue per request); leaving
+that iteration early (client gone, handler cancelled) aborts the request in the core. When the
+engine dies, every queue gets the EngineDeadError, later calls raise it, and `on_dead` runs once
+(the server then exits).
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
-from v1engine.core.core_client import EngineDeadError
-from v1engine.engine.output_processor import OutputKind, OutputProcessor, make_child_requests
+from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.metrics import ServerMetrics
+from v1engine.engine.output_processor import OutputKind, OutputProcessor
+from v1engine.engine.processor import Processor
 from v1engine.engine.request_output import RequestOutput
-from v1engine.engine.tokenizer import eos_token_id
-from v1engine.entrypoints.openai.metrics import ServerMetrics
 from v1engine.logger import init_logger
-from v1engine.request import EngineCoreOutputs, EngineCoreRequest
+from v1engine.request import EngineCoreOutputs
 from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from v1engine.core.core_client import AsyncMPClient
+    from v1engine.engine.core_client import AsyncMPClient
 
 logger = init_logger(__name__)
 
@@ -51,7 +52,7 @@ class _Timing:
     last_token_s: float | None = None
 
 
-class AsyncEngine:
+class AsyncLLM:
     """Args:
     client: an `AsyncMPClient` (or anything with its async add/abort/get_output methods).
     tokenizer: the model's tokenizer, for the detokenizer and stop strings.
@@ -65,8 +66,8 @@ class AsyncEngine:
         self.client = client
         self.config = config
         self.metrics = metrics
-        self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
         self.output_processor = OutputProcessor(tokenizer)
+        self.processor = Processor(config, tokenizer, self.output_processor)
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._timings: dict[str, _Timing] = {}  # by engine (child) request id
@@ -116,16 +117,13 @@ class AsyncEngine:
         self._queues[request_id] = queue
         sent: list[str] = []
         try:
-            for child_id, index, child_params in make_child_requests(request_id, params):
-                self.output_processor.add_request(
-                    child_id, prompt, prompt_token_ids, params, output_kind, request_id, index
-                )
-                request = EngineCoreRequest(
-                    child_id, prompt_token_ids, child_params, self.eos_token_id
-                )
-                self._timings[child_id] = _Timing(time.monotonic())
+            requests = self.processor.process(
+                request_id, prompt, prompt_token_ids, params, output_kind
+            )
+            for request in requests:
+                self._timings[request.request_id] = _Timing(time.monotonic())
                 await self.client.add_request(request)
-                sent.append(child_id)
+                sent.append(request.request_id)
         except BaseException:
             self._forget(request_id, outcome=None)
             self._abort_in_core(sent)  # the children sent before one was refused
@@ -164,7 +162,7 @@ class AsyncEngine:
         queue = self._queues.pop(request_id, None)
         if queue is not None:  # wakes a reader still waiting for the request's outputs
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
-        core_ids = self.output_processor.abort_requests([request_id])
+        core_ids = self.processor.abort([request_id])
         for core_id in core_ids:
             if self._timings.pop(core_id, None) is not None and outcome is not None:
                 self.metrics.observe_finished(outcome)

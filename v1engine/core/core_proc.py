@@ -1,16 +1,17 @@
 """EngineCoreProc: the engine core in its own process, behind an `EngineCoreClient`.
 
-The client spawns `run_engine_core`, which builds the `EngineCore` (and with it the workers) and
-answers READY, or FAILED with the traceback, on a start-up pipe. Then the busy loop runs:
+The client (engine/core_process.py) spawns `run_engine_core`, which builds the `EngineCore` (and
+with it the workers) and answers READY, or FAILED with the traceback, on a start-up pipe. Then
+the busy loop runs:
 
     while True:
         read the input socket: without blocking while requests run, else block until a message
         step() once if any request is unfinished; send the outputs if the step made tokens
 
-Messages and their encoding are in protocol.py. Failures: when a worker dies or the loop raises,
-the core sends ENGINE_DEAD with the reason, stops the workers and exits 1. A worker death while
-idle is noticed at once too: the loop also polls the workers' process sentinels. Lifetime: the
-process is not a daemon (daemons may not have children, and the workers are ours); a thread
+Messages and their encoding are in core_protocol.py. Failures: when a worker dies or the loop
+raises, the core sends ENGINE_DEAD with the reason, stops the workers and exits 1. A worker death
+while idle is noticed at once too: the loop also polls the workers' process sentinels. Lifetime:
+the process is not a daemon (daemons may not have children, and the workers are ours); a thread
 watching the client's sentinel stops the workers and exits when the client dies, even by SIGKILL.
 """
 
@@ -36,12 +37,11 @@ import zmq
 
 from v1engine.config import EngineConfig
 from v1engine.core.engine_core import EngineCore
-from v1engine.core.protocol import (
+from v1engine.core_protocol import (
     FAILED,
     READY,
     EngineCoreOutputType,
     EngineCoreRequestType,
-    EngineInfo,
     RequestError,
     UtilityCall,
     UtilityResult,
@@ -101,12 +101,6 @@ class EngineCoreProc:
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
         self._utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
-
-    @property
-    def info(self) -> EngineInfo:
-        assert self.engine_core is not None
-        max_model_len = self.engine_core.config.scheduler_config.max_model_len
-        return EngineInfo(os.getpid(), max_model_len, self.engine_core.vocab_size)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -343,6 +337,7 @@ def run_engine_core(
             )
         ready_conn.close()
         sys.exit(1)
-    ready_conn.send_bytes(encoder.encode([READY, proc.info]))
+    assert proc.engine_core is not None
+    ready_conn.send_bytes(encoder.encode([READY, proc.engine_core.info]))
     ready_conn.close()
     sys.exit(proc.run())

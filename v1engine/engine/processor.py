@@ -1,0 +1,125 @@
+"""Processor: a user's prompt and SamplingParams -> the engine-core requests to send.
+
+Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or
+render a chat through the model's template), fan `n > 1` out into n core requests, register each
+with the `OutputProcessor`, and hand the requests to the caller, who sends them through its
+`EngineCoreClient`. The client's send runs `validate_request` against the engine's limits (the
+only copy of that check), so a request the engine cannot serve raises ValueError before it leaves
+this process; the caller then calls `abort` to forget what was registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from v1engine.config import EngineConfig
+from v1engine.engine.output_processor import OutputKind, OutputProcessor
+from v1engine.engine.tokenizer import eos_token_id
+from v1engine.request import EngineCoreRequest
+from v1engine.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+PromptType = str | list[int] | dict[str, Any]
+
+
+class Processor:
+    """Args:
+    config: the engine configuration (for the model's EOS id when the tokenizer has none).
+    tokenizer: the model's tokenizer, or None: prompts must then be token ids.
+    output_processor: where each request is registered before it is sent.
+    """
+
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any, output_processor: OutputProcessor
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.output_processor = output_processor
+        self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """`(text or None, token ids)` of a prompt. Raises ValueError for an unusable one."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer("text prompts").encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            "a prompt must be a str, a list of token ids or a dict with 'prompt' or "
+            f"'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """`(text, token ids)` of a conversation through the model's chat template.
+
+        Raises:
+            ValueError: no tokenizer, or the template cannot render these messages.
+        """
+        tokenizer = self._require_tokenizer("chat")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja errors, or a tokenizer without a chat template
+            raise ValueError(f"cannot apply the chat template: {e}") from e
+        # The template already wrote the special tokens (BOS, role markers) it wants.
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: OutputKind,
+    ) -> list[EngineCoreRequest]:
+        """Registers the request (its n children when n > 1) with the output processor and
+        returns the core requests to send, in order.
+
+        Raises:
+            ValueError: stop strings without a tokenizer, or an id already in use.
+        """
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        requests = []
+        for child_id, index, child_params in make_child_requests(request_id, params):
+            self.output_processor.add_request(
+                child_id, prompt, prompt_token_ids, params, output_kind, request_id, index
+            )
+            requests.append(
+                EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id)
+            )
+        return requests
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Forgets the given front-end requests; returns their core ids still to abort."""
+        return self.output_processor.abort_requests(request_ids)
+
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{what} need a tokenizer; pass token ids, or do not set skip_tokenizer_init"
+            )
+        return self.tokenizer
+
+
+def make_child_requests(
+    parent_id: str, sampling_params: SamplingParams
+) -> list[tuple[str, int, SamplingParams]]:
+    """The n core requests behind one request: `(child_id, index, child_params)` each.
+
+    Children are ids f"{index}_{parent_id}" with n=1, and seed+index when seeded, so the n
+    samples differ yet a seeded request is reproducible. `dataclasses.replace` runs the params'
+    checks again, so values changed after construction are caught here.
+    """
+    children = []
+    for index in range(sampling_params.n):
+        seed = None if sampling_params.seed is None else sampling_params.seed + index
+        child_params = dataclasses.replace(sampling_params, n=1, seed=seed)
+        children.append((f"{index}_{parent_id}", index, child_params))
+    return children
