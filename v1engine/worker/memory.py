@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-_GIB = 1 << 30
+from v1engine.utils import GiB_bytes
+
 _CGROUP_LIMIT_FILES = (
     "/sys/fs/cgroup/memory.max",  # cgroup v2
     "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
@@ -50,7 +51,7 @@ class MemoryProfile:
 
 
 def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / _GIB:.3f}"
+    return f"{num_bytes / GiB_bytes:.3f}"
 
 
 def host_memory_bytes() -> int:
