@@ -88,15 +88,14 @@ def peak_rss_bytes() -> int:
         return current_rss_bytes()
 
 
-def reset_peak_rss() -> bool:
-    """Restarts VmHWM at the current RSS; False where the kernel does not allow it (the peak
-    then still counts the load-time high-water mark, an overestimate that errs safe)."""
+def reset_peak_rss() -> None:
+    """Restarts VmHWM at the current RSS. Where the kernel does not allow it, the peak still
+    counts the load-time high-water mark: an overestimate that errs safe."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        return False
-    return True
+        pass
 
 
 def profile_cpu(
