@@ -7,8 +7,8 @@ The steps of `get_kv_cache_configs`, the centre of the start-up handshake:
 4. `num_gpu_blocks_override` replaces each worker's bytes by override x bytes per block;
 5. per worker, check that one `max_model_len` request fits, then size its blocks and tensors;
 6. unify: every worker gets the smallest `num_blocks`, and its tensors shrink to match.
-`check_enough_kv_cache_memory` and `estimate_max_model_len` run steps 1-5's check for one worker,
-so what they say is what the engine does.
+`check_enough_kv_cache_memory` and `estimate_max_model_len` run steps 1-4 and step 5's check for
+a single worker, so what they say is what the engine does.
 
 Layout of one worker (general case): with groups (full.0, full.1), (sw.0, sw.2), (sw.1, sw.3),
 `group_size` = 2 tensors of `page_size_bytes x num_blocks` bytes each; tensor 0 is shared by
