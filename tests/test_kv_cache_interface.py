@@ -17,8 +17,8 @@ from v1engine.kv_cache_interface import (
     KVCacheTensor,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
-    cdiv,
 )
+from v1engine.utils import cdiv
 
 full = kv_specs.full
 

@@ -9,15 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("mp", "uni", "ray")
+# The one list of each choice: the configs validate against them, `EngineArgs` offers them as
+# CLI `choices`. Dtypes are torch attribute names; "auto" is resolved by the worker.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache stores what the model computes in ("auto": the model's dtype); no fp8 yet.
+CACHE_DTYPES = MODEL_DTYPES
+DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
 
 
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
+
+
+def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,7 @@ class ModelConfig:
     hf_config: Any = None
 
     def __post_init__(self) -> None:
-        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require_choice("dtype", self.dtype, MODEL_DTYPES)
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
@@ -64,10 +72,8 @@ class CacheConfig:
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
             f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}",
         )
-        _require(
-            self.cache_dtype in _DTYPES,
-            f"cache_dtype must be one of {_DTYPES}, got {self.cache_dtype!r}",
-        )
+        # Named by both spellings: users set it as EngineArgs.kv_cache_dtype / --kv-cache-dtype.
+        _require_choice("cache_dtype (--kv-cache-dtype)", self.cache_dtype, CACHE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,10 @@ class ParallelConfig:
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
         )
-        _require(
-            self.distributed_executor_backend in _BACKENDS,
-            f"distributed_executor_backend must be one of {_BACKENDS}, "
-            f"got {self.distributed_executor_backend!r}",
+        _require_choice(
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            DISTRIBUTED_EXECUTOR_BACKENDS,
         )
         _require(
             self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
@@ -118,7 +124,7 @@ class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+        _require_choice("device", self.device, DEVICES)
 
     @property
     def device_type(self) -> str:

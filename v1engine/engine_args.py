@@ -8,7 +8,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from v1engine.config import (
+    CACHE_DTYPES,
     DEFAULT_WORKER_CLS,
+    DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    MODEL_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -18,9 +22,10 @@ from v1engine.config import (
 )
 
 _CHOICES = {
-    "device": ["auto", "cpu", "cuda"],
-    "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "distributed_executor_backend": ["mp", "uni", "ray"],
+    "device": DEVICES,
+    "dtype": MODEL_DTYPES,
+    "kv_cache_dtype": CACHE_DTYPES,
+    "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
 }
 
 
@@ -33,6 +38,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
+    # vLLM's name for CacheConfig.cache_dtype; "auto" stores the cache in the model's dtype.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -70,6 +77,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -116,9 +124,6 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
         return cls(**kwargs)
-
-    def replace(self, **changes: Any) -> EngineArgs:
-        return dataclasses.replace(self, **changes)
 
 
 def _field_type(f: dataclasses.Field) -> type:

@@ -19,12 +19,9 @@ from typing import TypeVar
 
 import torch
 
+from v1engine.utils import cdiv
+
 SpecT = TypeVar("SpecT", bound="KVCacheSpec")
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
 
 
 class KVCacheSpecMismatchError(ValueError, AssertionError):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kv_specs import full, sliding
+from tests.kv_specs import PAGE, full, sliding
 from v1engine.core.kv_cache_grouping import (
     KVCachePageSizeError,
     bytes_per_block,
@@ -19,8 +19,6 @@ from v1engine.kv_cache_interface import (
     KVCacheTensor,
     UniformTypeKVCacheSpecs,
 )
-
-PAGE = 16 * 2 * 64 * 4 * 2  # bytes of one 16-token block of one default layer
 
 
 def names_and_specs(groups: list[KVCacheGroupSpec]) -> list[tuple[list[str], object]]:

@@ -6,40 +6,20 @@ import pickle
 import pytest
 import torch
 
-from tests.kv_specs import full, sliding
+from tests.kv_specs import PAGE, SCHED, configs, full, hybrid, one, qwen_layer, sliding
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_utils import (
-    check_enough_kv_cache_memory,
-    estimate_max_model_len,
     get_kv_cache_capacity,
-    get_kv_cache_configs,
     get_max_concurrency_for_kv_cache_config,
     unify_kv_cache_configs,
 )
 from v1engine.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-
-PAGE = 16 * 2 * 64 * 4 * 2  # bytes of one 16-token block of one default layer
-CACHE = CacheConfig()
-SCHED = SchedulerConfig(max_model_len=16)  # one block per full layer, two per sliding layer
-
-
-def qwen_layer() -> FullAttentionSpec:  # 0.5 MiB per token over 32 layers
-    return FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=128, dtype=torch.float16)
-
-
-def configs(specs, memory, cache=CACHE, sched=SCHED) -> list[KVCacheConfig]:
-    return get_kv_cache_configs(cache, sched, specs, memory)
-
-
-def one(specs, memory, **kwargs) -> KVCacheConfig:
-    return configs([specs], [memory], **kwargs)[0]
 
 
 def layout(num_blocks, tensors, groups) -> KVCacheConfig:
@@ -53,12 +33,6 @@ def layout(num_blocks, tensors, groups) -> KVCacheConfig:
 
 def layers(*indices: int) -> list[str]:
     return [f"layer{i}" for i in indices]
-
-
-def hybrid(num_full: int, num_sliding: int) -> dict:
-    specs = {f"layer{i}": full() for i in range(1, num_full + 1)}
-    specs.update({f"layer{i}": sliding() for i in range(num_full + 1, num_full + num_sliding + 1)})
-    return specs
 
 
 FULL_12 = layout(10, [(10, layers(1)), (10, layers(2))], [(layers(1, 2), full())])
@@ -149,118 +123,6 @@ def test_num_gpu_blocks_override_ignores_measured_memory_per_worker():
         assert config.num_blocks == 8
         assert [t.size for t in config.kv_cache_tensors] == [8 * PAGE, 8 * PAGE]
     assert one({}, 0, cache=cache).num_blocks == 1  # attention-free keeps its null block
-
-
-def test_num_gpu_blocks_override_too_small_for_max_model_len():
-    cache = CacheConfig(num_gpu_blocks_override=32)
-    sched = SchedulerConfig(max_model_len=1024)  # needs 64 blocks
-    with pytest.raises(ValueError, match="max seq len") as info:
-        one({"layer1": full(), "layer2": full()}, PAGE * 2 * 1024, cache=cache, sched=sched)
-    message = str(info.value)
-    assert "num_gpu_blocks_override` (now 32)" in message
-    # One of the 32 blocks is the block pool's null block: 31 x 16 tokens are usable.
-    assert "estimated maximum model length is 496" in message
-    sched = SchedulerConfig(max_model_len=512)  # exactly 32 blocks: one short at run time
-    with pytest.raises(ValueError, match="max seq len"):
-        one({"layer1": full()}, PAGE, cache=cache, sched=sched)
-    sched = SchedulerConfig(max_model_len=496)
-    assert one({"layer1": full()}, PAGE, cache=cache, sched=sched).num_blocks == 32
-
-
-@pytest.mark.parametrize("memory", [0, -PAGE])
-def test_no_memory_left_for_the_cache(memory):
-    with pytest.raises(ValueError, match="No available memory for the cache blocks") as info:
-        one({"layer1": full()}, memory)
-    assert "gpu_memory_utilization` (now 0.9)" in str(info.value)
-
-
-def test_not_enough_memory_message_names_sizes_estimate_and_knobs():
-    sched = SchedulerConfig(max_model_len=2048)  # 2 layers x 128 pages + the null block
-    with pytest.raises(ValueError) as info:
-        one({"layer1": full(), "layer2": full()}, PAGE * 100, sched=sched)
-    message = str(info.value)
-    for part in (
-        "max seq len (max_model_len=2048)",
-        f"({258 * PAGE} bytes)",
-        f"({100 * PAGE} bytes)",
-        "estimated maximum model length is 784",  # (50 blocks - null block) x 16
-        "gpu_memory_utilization",
-        "kv_cache_memory_bytes` (now unset)",
-        "decreasing `max_model_len`",
-    ):
-        assert part in message
-
-
-def test_not_enough_memory_message_in_gib():
-    sched = SchedulerConfig(max_model_len=16385, max_num_batched_tokens=32768)
-    spec = {f"layer_{i}": qwen_layer() for i in range(32)}
-    with pytest.raises(ValueError) as info:
-        configs([spec, spec], [8 << 30, 9 << 30], sched=sched)
-    message = str(info.value)
-    assert message.startswith("rank 0: ")
-    assert "8.02 GiB of KV cache is needed" in message and "memory: 8.00 GiB" in message
-    assert "estimated maximum model length is 16368" in message  # 1024 blocks - null block
-
-
-def test_estimate_is_left_out_when_not_even_one_token_fits():
-    with pytest.raises(ValueError, match="max seq len") as info:
-        one({"layer1": full()}, PAGE - 1)
-    assert "estimated" not in str(info.value)
-
-
-def test_memory_check_at_the_exact_boundary():
-    sched = SchedulerConfig(max_model_len=100)  # 7 pages per full layer, + 1 null block
-    specs = {"layer1": full(), "layer2": full()}
-    assert one(specs, 16 * PAGE, sched=sched).num_blocks == 8
-    with pytest.raises(ValueError, match="max seq len"):
-        one(specs, 16 * PAGE - 1, sched=sched)
-
-
-def test_memory_check_counts_padding_layers_of_hybrid_groups():
-    # Groups (F1,F2,F3) (S4,S7,S10) (S5,S8,_) (S6,S9,_): 3 x (1 + 3 x 2) = 21 pages per
-    # request, though the layers alone need 3 + 7 x 2 = 17; plus the null block's 3 pages.
-    specs = hybrid(3, 7)
-    check_enough_kv_cache_memory(CACHE, SCHED, specs, 17 * PAGE)
-    with pytest.raises(ValueError, match="max seq len"):
-        one(specs, 24 * PAGE - 1)
-    assert one(specs, 24 * PAGE).num_blocks == 8
-
-
-def test_check_enough_kv_cache_memory_sums_over_layers():
-    sched = SchedulerConfig(max_model_len=100)
-    specs = {"layer1": full(), "layer2": sliding(sliding_window=20)}  # 7 + (ceil(100/16)+1)
-    check_enough_kv_cache_memory(CACHE, sched, specs, 15 * PAGE)
-    with pytest.raises(ValueError, match="max seq len.*estimated maximum model length is 96"):
-        check_enough_kv_cache_memory(CACHE, sched, specs, 15 * PAGE - 1)
-    check_enough_kv_cache_memory(CACHE, sched, {}, 0)  # attention-free: nothing to check
-    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes` \(now 1024\)"):
-        check_enough_kv_cache_memory(CacheConfig(kv_cache_memory_bytes=1024), sched, specs, 1)
-
-
-@pytest.mark.parametrize(("max_model_len", "expected"), [(16385, 16384), (16383, 16383)])
-def test_estimate_max_model_len_reference_cases(max_model_len, expected):
-    sched = SchedulerConfig(max_model_len=max_model_len, max_num_batched_tokens=32768)
-    spec = {f"layer_{i}": qwen_layer() for i in range(32)}
-    assert estimate_max_model_len(CACHE, sched, spec, 8 << 30) == expected
-
-
-@pytest.mark.parametrize(
-    ("memory", "expected"),
-    [(3 * PAGE, 48), (3 * PAGE - 1, 32), (PAGE, 16), (PAGE - 1, 0), (0, 0), (1 << 40, 2048)],
-)
-def test_estimate_max_model_len_at_block_boundaries(memory, expected):
-    sched = SchedulerConfig(max_model_len=2048)
-    assert estimate_max_model_len(CACHE, sched, {"layer1": full()}, memory) == expected
-
-
-def test_estimate_max_model_len_with_a_window_and_edge_cases():
-    sched = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=64)
-    window = {"layer1": sliding(sliding_window=32)}  # min(95, len) tokens + 1 block
-    assert estimate_max_model_len(CACHE, sched, window, 4 * PAGE) == 48
-    assert estimate_max_model_len(CACHE, sched, window, 8 * PAGE) == 4096  # window saturates
-    assert estimate_max_model_len(CACHE, sched, {}, 0) == 4096
-    tiny = SchedulerConfig(max_model_len=1)
-    assert estimate_max_model_len(CACHE, tiny, {"layer1": full()}, PAGE) == 1
 
 
 def hybrid_cases():

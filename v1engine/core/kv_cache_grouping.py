@@ -27,9 +27,9 @@ from v1engine.kv_cache_interface import (
     KVCacheSpecMismatchError,
     KVCacheTensor,
     UniformTypeKVCacheSpecs,
-    cdiv,
 )
 from v1engine.logger import init_logger
+from v1engine.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -172,7 +172,7 @@ def project_kv_cache_groups_to_worker(
     return projected
 
 
-def is_uniform_type_layout(groups: list[KVCacheGroupSpec]) -> bool:
+def _is_uniform_type_layout(groups: list[KVCacheGroupSpec]) -> bool:
     """Whether the groups are the one-group, per-layer-page layout of `UniformTypeKVCacheSpecs`."""
     return len(groups) == 1 and isinstance(groups[0].kv_cache_spec, UniformTypeKVCacheSpecs)
 
@@ -182,7 +182,7 @@ def has_layers(groups: list[KVCacheGroupSpec]) -> bool:
     return any(group.layer_names for group in groups)
 
 
-def uniform_page_size(groups: list[KVCacheGroupSpec]) -> int:
+def _uniform_page_size(groups: list[KVCacheGroupSpec]) -> int:
     """The page size all groups share outside the uniform-type layout (grouping ensures it)."""
     page_sizes = {group.kv_cache_spec.page_size_bytes for group in groups}
     assert len(page_sizes) == 1, f"grouping left several page sizes: {page_sizes}"
@@ -191,10 +191,29 @@ def uniform_page_size(groups: list[KVCacheGroupSpec]) -> int:
 
 def bytes_per_block(groups: list[KVCacheGroupSpec]) -> int:
     """Bytes one block id costs on this worker, over all its tensors."""
-    if is_uniform_type_layout(groups):
+    if _is_uniform_type_layout(groups):
         return groups[0].kv_cache_spec.page_size_bytes
     group_size = max(len(group.layer_names) for group in groups)
-    return uniform_page_size(groups) * group_size
+    return _uniform_page_size(groups) * group_size
+
+
+def _kv_cache_tensors(groups: list[KVCacheGroupSpec], num_blocks: int) -> list[KVCacheTensor]:
+    if _is_uniform_type_layout(groups):
+        # One tensor per layer, each block one page of that layer.
+        layer_specs = groups[0].kv_cache_spec.kv_cache_specs
+        return [
+            KVCacheTensor(size=spec.page_size_bytes * num_blocks, shared_by=[name])
+            for name, spec in layer_specs.items()
+        ]
+    # Tensor i is shared by the i-th layer of every group (see the module doc).
+    group_size = max(len(group.layer_names) for group in groups)
+    return [
+        KVCacheTensor(
+            size=_uniform_page_size(groups) * num_blocks,
+            shared_by=[group.layer_names[i] for group in groups if i < len(group.layer_names)],
+        )
+        for i in range(group_size)
+    ]
 
 
 def get_kv_cache_config_from_groups(
@@ -205,24 +224,5 @@ def get_kv_cache_config_from_groups(
         # No tensors: the worker's num_blocks binds nothing (see unify). The scheduler's block
         # pool always keeps one null block, hence 1 for an attention-free model.
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=groups)
-    if is_uniform_type_layout(groups):
-        spec = groups[0].kv_cache_spec
-        num_blocks = max(available_memory, 0) // spec.page_size_bytes
-        tensors = [
-            KVCacheTensor(size=layer_spec.page_size_bytes * num_blocks, shared_by=[name])
-            for name, layer_spec in spec.kv_cache_specs.items()
-        ]
-        return KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
-        )
-    group_size = max(len(group.layer_names) for group in groups)
-    page_size = uniform_page_size(groups)
-    num_blocks = max(available_memory, 0) // page_size // group_size
-    tensors = [
-        KVCacheTensor(
-            size=page_size * num_blocks,
-            shared_by=[group.layer_names[i] for group in groups if i < len(group.layer_names)],
-        )
-        for i in range(group_size)
-    ]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    num_blocks = max(available_memory, 0) // bytes_per_block(groups)
+    return KVCacheConfig(num_blocks, _kv_cache_tensors(groups, num_blocks), groups)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-_GIB = 1 << 30
+from v1engine.utils import GiB_bytes
+
 _CGROUP_LIMIT_FILES = (
     "/sys/fs/cgroup/memory.max",  # cgroup v2
     "/sys/fs/cgroup/memory/memory.limit_in_bytes",  # cgroup v1
@@ -50,7 +51,7 @@ class MemoryProfile:
 
 
 def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / _GIB:.3f}"
+    return f"{num_bytes / GiB_bytes:.3f}"
 
 
 def host_memory_bytes() -> int:
@@ -87,15 +88,14 @@ def peak_rss_bytes() -> int:
         return current_rss_bytes()
 
 
-def reset_peak_rss() -> bool:
-    """Restarts VmHWM at the current RSS; False where the kernel does not allow it (the peak
-    then still counts the load-time high-water mark, an overestimate that errs safe)."""
+def reset_peak_rss() -> None:
+    """Restarts VmHWM at the current RSS. Where the kernel does not allow it, the peak still
+    counts the load-time high-water mark: an overestimate that errs safe."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        return False
-    return True
+        pass
 
 
 def profile_cpu(
