@@ -10,9 +10,8 @@ from transformers import AutoTokenizer
 
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import make_child_requests
-from v1engine.engine.request_output import Logprob
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
-from v1engine.outputs import LogprobsLists
+from v1engine.outputs import Logprob, LogprobsLists
 from v1engine.request import EngineCoreOutput, FinishReason
 from v1engine.sampling_params import SamplingParams
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from v1engine.core.scheduler_stop import check_stop
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.outputs import (
@@ -42,6 +41,7 @@ from v1engine.request import (
     Request,
     RequestStatus,
     SchedulerStats,
+    check_stop,
 )
 
 logger = init_logger(__name__)

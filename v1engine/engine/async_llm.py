@@ -29,8 +29,8 @@ from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.processor import Processor
-from v1engine.engine.request_output import RequestOutput
 from v1engine.logger import init_logger
+from v1engine.outputs import RequestOutput
 from v1engine.request import EngineCoreOutputs
 from v1engine.sampling_params import SamplingParams
 

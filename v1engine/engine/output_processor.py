@@ -24,7 +24,7 @@ from v1engine.engine.detokenizer import (
     find_stop_string,
     partial_stop_len,
 )
-from v1engine.engine.request_output import CompletionOutput, Logprob, RequestOutput
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

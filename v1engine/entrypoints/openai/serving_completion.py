@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from v1engine.engine.request_output import CompletionOutput, RequestOutput
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -23,6 +22,7 @@ from v1engine.entrypoints.openai.serving_engine import (
     sampled_logprobs,
     stream_steps,
 )
+from v1engine.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):

@@ -19,10 +19,10 @@ from pydantic import BaseModel
 from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
-from v1engine.engine.request_output import CompletionOutput, Logprob, RequestOutput
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from v1engine.logger import init_logger
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 from v1engine.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
