@@ -28,10 +28,9 @@ from v1engine.request import (
     RequestStatus,
     validate_request,
 )
+from v1engine.utils import GiB_bytes
 
 logger = init_logger(__name__)
-
-_GIB = 1 << 30
 
 
 class EngineCore:
@@ -93,8 +92,8 @@ class EngineCore:
             "%d tokens; maximum concurrency for %d-token requests: %.2fx",
             kv_cache_config.num_blocks,
             self.config.cache_config.block_size,
-            kv_bytes / _GIB,
-            ", ".join(f"{a / _GIB:.3f}" for a in available),
+            kv_bytes / GiB_bytes,
+            ", ".join(f"{a / GiB_bytes:.3f}" for a in available),
             num_tokens,
             scheduler_config.max_model_len,
             concurrency,

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import msgspec
 
 from v1engine.core.block_pool import BlockPool, KVCacheBlock
-from v1engine.kv_cache_interface import KVCacheConfig, cdiv
+from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.request import Request
+from v1engine.utils import cdiv
 
 logger = init_logger(__name__)
 
