@@ -91,6 +91,7 @@ def _snapshot(states) -> tuple:
             "scheduled_cached_reqs names request 'a'",
         ),
     ],
+    ids=["unknown_diff", "unknown_scheduled", "new_twice", "resumed_without_table", "finished"],
 )
 def test_a_broken_scheduler_output_raises_and_changes_nothing(scheduler_output, match):
     _, worker = _running_pair()
