@@ -4,10 +4,9 @@ the `RequestOutput`s users get (at the end).
 What crosses between the scheduler and the workers each step:
 
 `SchedulerOutput` sends a request whole the first time it is scheduled (`NewRequestData`) and
-afterwards only what changed (`CachedRequestData`): the tokens appended since the workers last
-saw it, its new blocks and its computed-token count. Workers keep every request's tokens and
-block table until it appears in `finished_req_ids`, so a preempted request that resumes arrives as
-a diff with `resumed_from_preemption` and a complete block table.
+afterwards only what changed (`CachedRequestData`). The full contract (what workers keep, drop
+and rebuild, and in which order) is written out in `v1engine/worker/request_states.py`, the one
+module that applies it.
 """
 
 from __future__ import annotations

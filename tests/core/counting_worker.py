@@ -1,8 +1,8 @@
 """A model-free worker for engine-process tests: it "generates" (last token + 1) % VOCAB_SIZE.
 
-Like the real model runner, it rebuilds each request's tokens from the SchedulerOutput diffs
-alone and samples only when a request's computed tokens reach the end of its known tokens, so
-the tokens it returns prove the whole path (client -> core -> scheduler -> worker) kept them.
+It applies each SchedulerOutput with the real `RequestStates`, as the model runner does, and
+samples only for batch rows whose computed tokens reach the end of their known tokens, so the
+tokens it returns prove the whole path (client -> core -> scheduler -> worker) kept them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from v1engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from v1engine.kv_cache_interface import FullAttentionSpec
+from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.worker.input_batch import InputBatch
+from v1engine.worker.request_states import RequestStates
 from v1engine.worker.worker_base import WorkerBase
 
 VOCAB_SIZE = 50
@@ -47,7 +49,7 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
 
 class CountingWorker(WorkerBase):
     def load_model(self) -> None:
-        self.token_ids: dict[str, list[int]] = {}
+        self.states: RequestStates | None = None
         self.step_delay_s = 0.0
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
@@ -56,27 +58,27 @@ class CountingWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         return 4 << 20
 
-    def initialize_from_config(self, kv_cache_config) -> None:
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.num_blocks = kv_cache_config.num_blocks
+        scheduler_config = self.config.scheduler_config
+        block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
+        batch = InputBatch(
+            scheduler_config.max_num_seqs, scheduler_config.max_model_len, block_sizes
+        )
+        self.states = RequestStates(batch, generator_device="cpu")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         time.sleep(self.step_delay_s)
-        for req_id in scheduler_output.finished_req_ids:
-            self.token_ids.pop(req_id, None)
-        num_computed = {}
-        for new in scheduler_output.scheduled_new_reqs:
-            self.token_ids[new.req_id] = list(new.prompt_token_ids)
-            num_computed[new.req_id] = new.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            self.token_ids[req_id].extend(cached.new_token_ids[i])
-            num_computed[req_id] = cached.num_computed_tokens[i]
-        req_ids, sampled = [], []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            tokens = self.token_ids[req_id]
-            done = num_computed[req_id] + num_tokens >= len(tokens)
-            req_ids.append(req_id)
-            sampled.append([(tokens[-1] + 1) % VOCAB_SIZE] if done else [])
+        self.states.update(scheduler_output)
+        batch = self.states.input_batch
+        req_ids, sampled = list(batch.req_ids), []
+        for row, req_id in enumerate(req_ids):
+            num_tokens = int(batch.num_tokens[row])
+            end = (
+                int(batch.num_computed_tokens[row]) + scheduler_output.num_scheduled_tokens[req_id]
+            )
+            last_token = int(batch.token_ids[row, num_tokens - 1])
+            sampled.append([(last_token + 1) % VOCAB_SIZE] if end >= num_tokens else [])
         return ModelRunnerOutput(req_ids, sampled) if self.rank == 0 else None
 
     # -- for collective_rpc tests ----------------------------------------------------------------
@@ -100,7 +102,7 @@ class CountingWorker(WorkerBase):
         return torch.zeros(2)
 
     def num_known_requests(self) -> int:
-        return len(self.token_ids)
+        return len(self.states.requests)
 
 
 class FailingLoadWorker(CountingWorker):

@@ -1,18 +1,19 @@
 """Test doubles for the scheduler: a fake worker that sees only what a real one sees.
 
-`FakeWorker` rebuilds every request's tokens and block table from the `SchedulerOutput` diffs
-alone, the way `GPUModelRunner` does, and "computes" KV by writing into a fake paged cache: the
-slot of position p holds a key of the tokens 0..p. Reading back every earlier position before
-sampling proves that block tables, prefix-cache hits and preemption never hand a request someone
-else's KV or lose its own. Tokens come from `token_fn(prompt and outputs)`, a pure function, so a
-request generates the same tokens however it is scheduled.
+`FakeWorker` applies every `SchedulerOutput` with the real `RequestStates` (as `GPUModelRunner`
+does) and then "computes" from the input batch rows alone: each scheduled token's KV goes into a
+fake paged cache, at the slot the row's block table maps it to, as a key of the tokens 0..p.
+Reading back every earlier position before sampling proves that block tables, prefix-cache hits
+and preemption never hand a request someone else's KV or lose its own. Tokens come from
+`token_fn(prompt and outputs)`, a pure function, so a request generates the same tokens however
+it is scheduled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from v1engine.config import CacheConfig, SchedulerConfig
@@ -21,6 +22,8 @@ from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCach
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import EngineCoreOutput, Request
 from v1engine.sampling_params import SamplingParams
+from v1engine.worker.input_batch import InputBatch
+from v1engine.worker.request_states import RequestStates
 
 VOCAB_SIZE = 97
 EOS_TOKEN_ID = 2
@@ -86,67 +89,42 @@ def reference_output(request: Request, max_model_len: int) -> tuple[list[int], s
             return outputs, "length"
 
 
-@dataclass
-class _WorkerRequest:
-    token_ids: list[int]
-    block_ids: list[list[int]]
-    num_computed_tokens: int
-
-
 class FakeWorker:
-    def __init__(self, block_size: int, token_fn: Callable[[list[int]], int] = next_token):
-        self.block_size = block_size
+    def __init__(
+        self, states: RequestStates, token_fn: Callable[[list[int]], int] = next_token
+    ) -> None:
+        self.states = states
         self.token_fn = token_fn
-        self.requests: dict[str, _WorkerRequest] = {}
-        # (block id, slot in block) -> key of the token sequence whose last KV is stored there.
-        self.kv: dict[tuple[int, int], int] = {}
+        # Cache slot -> key of the token sequence whose last KV is stored there.
+        self.kv: dict[int, int] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(scheduler_output)
-        req_ids, sampled = [], []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            req_ids.append(req_id)
-            sampled.append(self._compute(self.requests[req_id], num_tokens))
+        self.states.update(scheduler_output)
+        req_ids = list(self.states.input_batch.req_ids)
+        sampled = [
+            self._compute(row, scheduler_output.num_scheduled_tokens[req_id])
+            for row, req_id in enumerate(req_ids)
+        ]
         return ModelRunnerOutput(req_ids, sampled)
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in scheduler_output.preempted_req_ids:
-            assert req_id in self.requests, "a preempted request keeps its worker state"
-        for new in scheduler_output.scheduled_new_reqs:
-            assert new.req_id not in self.requests, "a request is sent whole only once"
-            block_ids = [list(ids) for ids in new.block_ids]
-            state = _WorkerRequest(list(new.prompt_token_ids), block_ids, new.num_computed_tokens)
-            self.requests[new.req_id] = state
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.token_ids.extend(cached.new_token_ids[i])
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            if cached.resumed_from_preemption[i]:
-                assert new_block_ids is not None
-                state.block_ids = [list(ids) for ids in new_block_ids]
-            elif new_block_ids is not None:
-                for ids, new_ids in zip(state.block_ids, new_block_ids):
-                    ids.extend(new_ids)
-
-    def _compute(self, state: _WorkerRequest, num_tokens: int) -> list[int]:
-        start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
-        assert 0 < num_tokens and end <= len(state.token_ids), "scheduled past known tokens"
-        keys = _prefix_keys(state.token_ids[:end])
-        size = self.block_size
-        for block_ids in state.block_ids:
-            assert len(block_ids) * size >= end, "no slot for a scheduled token"
+    def _compute(self, row: int, num_tokens: int) -> list[int]:
+        batch = self.states.input_batch
+        token_ids = batch.token_ids[row, : batch.num_tokens[row]].tolist()
+        start = int(batch.num_computed_tokens[row])
+        end = start + num_tokens
+        assert 0 < num_tokens and end <= len(token_ids), "scheduled past known tokens"
+        keys = _prefix_keys(token_ids[:end])
+        for table in batch.block_tables:
+            assert table.num_blocks[row] * table.block_size >= end, "no slot for a scheduled token"
+            slots = table.slot_mapping(np.full(end, row), np.arange(end)).tolist()
             for pos in range(start, end):
-                self.kv[(block_ids[pos // size], pos % size)] = keys[pos]
+                self.kv[slots[pos]] = keys[pos]
             # Attention reads every position up to the last: it must be this request's own KV.
             for pos in range(end):
-                assert self.kv.get((block_ids[pos // size], pos % size)) == keys[pos], pos
-        if end < len(state.token_ids):
+                assert self.kv.get(slots[pos]) == keys[pos], pos
+        if end < len(token_ids):
             return []  # a partial prefill chunk samples nothing
-        return [self.token_fn(state.token_ids)]
+        return [self.token_fn(token_ids)]
 
 
 def _prefix_keys(token_ids: list[int]) -> list[int]:
@@ -160,12 +138,16 @@ def _prefix_keys(token_ids: list[int]) -> list[int]:
 def assert_worker_mirrors_scheduler(
     scheduler: Scheduler, worker: FakeWorker, scheduler_output: SchedulerOutput
 ) -> None:
-    """After the worker applied `scheduler_output`, its state equals the scheduler's."""
+    """After the worker applied `scheduler_output`, its state equals the scheduler's and its
+    batch holds exactly the scheduled requests."""
     known = {r.request_id for r in scheduler.requests.values() if r.num_sent_tokens > 0}
-    assert set(worker.requests) == known
+    assert set(worker.states.requests) == known
+    assert sorted(worker.states.input_batch.req_ids) == sorted(
+        scheduler_output.num_scheduled_tokens
+    )
     for req_id in scheduler_output.num_scheduled_tokens:
-        request, state = scheduler.requests[req_id], worker.requests[req_id]
-        assert state.token_ids == request.all_token_ids
+        request, state = scheduler.requests[req_id], worker.states.requests[req_id]
+        assert state.all_token_ids == request.all_token_ids
         assert state.block_ids == list(scheduler.kv_cache_manager.get_block_ids(req_id))
         assert state.num_computed_tokens == request.num_computed_tokens
 
@@ -205,10 +187,14 @@ def assert_all_free(scheduler: Scheduler, worker: FakeWorker) -> None:
     assert scheduler.kv_cache_manager.req_to_blocks == {}
     assert scheduler.make_stats().kv_cache_usage == 0.0
     worker.execute_model(scheduler.schedule())
-    assert worker.requests == {}
+    assert worker.states.requests == {} and worker.states.input_batch.num_reqs == 0
 
 
 def make_worker(
     scheduler: Scheduler, token_fn: Callable[[list[int]], int] = next_token
 ) -> FakeWorker:
-    return FakeWorker(scheduler.kv_cache_manager.block_size, token_fn)
+    """A worker whose batch has the scheduler's limits and one block table per KV cache group."""
+    manager = scheduler.kv_cache_manager
+    block_sizes = [manager.block_size] * manager.num_groups
+    batch = InputBatch(scheduler.max_num_seqs, scheduler.max_model_len, block_sizes)
+    return FakeWorker(RequestStates(batch, generator_device="cpu"), token_fn)

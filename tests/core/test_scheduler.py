@@ -164,7 +164,7 @@ def test_aborts_free_every_block_and_reach_the_workers() -> None:
     scheduler_output = scheduler.schedule()
     assert scheduler_output.finished_req_ids == {"run", "pre", "wait"}
     worker.execute_model(scheduler_output)
-    assert worker.requests == {}
+    assert worker.states.requests == {}
     assert_all_free(scheduler, worker)
 
 

@@ -1,5 +1,6 @@
-"""execute_model semantics on two CPU ranks: who replies, partial chunks, seeded sampling across
-batches and preemption, logprobs, penalties, and what happens to finished or unknown requests."""
+"""execute_model semantics on two CPU ranks, driven by the real scheduler: who replies, partial
+chunks, seeded sampling across batches, preemption and an unscheduled step, logprobs, penalties,
+and what happens to finished or unknown requests."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint
-from tests.worker.toy_scheduler import ToyRequest
 from tests.worker.worker_utils import (
     executor_step,
     make_engine_config,
     make_prompts,
+    make_request,
     make_scheduler,
     num_known_requests,
     run_kv_cache_handshake,
@@ -21,7 +22,6 @@ from v1engine.executor.errors import WorkerError
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.executor.uniproc_executor import UniProcExecutor
 from v1engine.outputs import CachedRequestData, SchedulerOutput
-from v1engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 131
 
@@ -44,7 +44,7 @@ def tp2(llama_path):
 def test_only_rank_0_replies_and_partial_chunks_sample_nothing(tp2):
     executor, kv_cache_config = tp2
     scheduler = make_scheduler(kv_cache_config, token_budget=10)
-    request = ToyRequest("chunked", make_prompts(VOCAB_SIZE, [17])[0])
+    request = make_request("chunked", make_prompts(VOCAB_SIZE, [17])[0])
     steps = []
 
     def step(scheduler_output):
@@ -60,42 +60,51 @@ def test_only_rank_0_replies_and_partial_chunks_sample_nothing(tp2):
     assert executor.collective_rpc(num_known_requests) == [(0, 0), (0, 0)]
 
 
-def _run(executor, kv_cache_config, requests, preempt=None, pause=None):
-    scheduler = make_scheduler(kv_cache_config, token_budget=8)
+def _run(executor, kv_cache_config, requests, budgets=None, num_blocks_per_group=None):
+    """One request arrives per step; the scheduler's budget is 8 tokens."""
+    scheduler = make_scheduler(kv_cache_config, 8, num_blocks_per_group)
     arrivals = {i: [r] for i, r in enumerate(requests)}
-    run_requests(scheduler, executor_step(executor), arrivals, preempt, pause)
+    return run_requests(scheduler, executor_step(executor), arrivals, budgets)
 
 
 def test_seeded_sampling_ignores_batch_and_preemption(tp2):
     executor, kv_cache_config = tp2
     prompt, *others = make_prompts(VOCAB_SIZE, [7, 12, 5, 9], seed=3)
 
-    def seeded(req_id: str, seed: int) -> ToyRequest:
-        params = SamplingParams(temperature=1.5, top_p=0.95, seed=seed, max_tokens=8)
-        return ToyRequest(req_id, prompt, params)
+    def seeded(req_id: str, seed: int):
+        return make_request(req_id, prompt, temperature=1.5, top_p=0.95, seed=seed, max_tokens=8)
 
     alone = seeded("alone", 7)
     _run(executor, kv_cache_config, [alone])
     crowded = seeded("crowded", 7)
     noise = [
-        ToyRequest(f"noise{i}", p, SamplingParams(temperature=1.0, max_tokens=6))
-        for i, p in enumerate(others)
+        make_request(f"noise{i}", p, temperature=1.0, max_tokens=6) for i, p in enumerate(others)
     ]
-    _run(executor, kv_cache_config, [noise[0], crowded, *noise[1:]], {4: "crowded"}, {6: "crowded"})
+    # 9 blocks run out, so "crowded", the newest, is preempted after sampling twice and resumes;
+    # a budget of 1 in step 4 leaves it unscheduled.
+    record = _run(
+        executor,
+        kv_cache_config,
+        [noise[0], noise[1], crowded, noise[2]],
+        budgets={4: 1},
+        num_blocks_per_group=9,
+    )
+    events = {event for event, req_id in record.events() if req_id == "crowded"}
+    assert {"chunked_prefill", "preempted", "resumed", "unscheduled"} <= events
     other_seed = seeded("other_seed", 8)
     _run(executor, kv_cache_config, [other_seed])
-    assert crowded.output == alone.output
-    assert other_seed.output != alone.output
+    assert crowded.output_token_ids == alone.output_token_ids
+    assert other_seed.output_token_ids != alone.output_token_ids
 
 
 def test_logprobs_describe_the_raw_logits(tp2):
     executor, kv_cache_config = tp2
-    params = SamplingParams(temperature=0.0, logprobs=3, max_tokens=4)
-    request = ToyRequest("logprobs", make_prompts(VOCAB_SIZE, [6])[0], params)
-    _run(executor, kv_cache_config, [request])
-    assert len(request.logprobs) == len(request.output) == 4
+    request = make_request("logprobs", make_prompts(VOCAB_SIZE, [6])[0], logprobs=3, max_tokens=4)
+    record = _run(executor, kv_cache_config, [request])
+    output, all_logprobs = request.output_token_ids, record.logprobs["logprobs"]
+    assert len(all_logprobs) == len(output) == 4
     for token, logits, (token_ids, logprobs, rank) in zip(
-        request.output, request.logits, request.logprobs
+        output, record.logits["logprobs"], all_logprobs
     ):
         expected = torch.log_softmax(logits, dim=-1)
         assert token_ids[0] == token and rank == 1  # greedy picks the most likely token
@@ -115,17 +124,20 @@ def _penalized_argmax(logits, prompt, output, params) -> int:
 
 def test_penalties_use_prompt_and_output_tokens(tp2):
     executor, kv_cache_config = tp2
-    params = SamplingParams(
-        temperature=0.0,
+    prompt = make_prompts(VOCAB_SIZE, [10])[0]
+    request = make_request(
+        "penalized",
+        prompt,
         repetition_penalty=1.5,
         frequency_penalty=0.5,
         presence_penalty=0.3,
         max_tokens=6,
     )
-    request = ToyRequest("penalized", make_prompts(VOCAB_SIZE, [10])[0], params)
-    _run(executor, kv_cache_config, [request])
-    for i, (token, logits) in enumerate(zip(request.output, request.logits)):
-        assert token == _penalized_argmax(logits, request.prompt, request.output[:i], params)
+    params = request.sampling_params
+    record = _run(executor, kv_cache_config, [request])
+    output = request.output_token_ids
+    for i, (token, logits) in enumerate(zip(output, record.logits["penalized"])):
+        assert token == _penalized_argmax(logits, prompt, output[:i], params)
 
 
 def test_unknown_request_is_a_clear_error_and_changes_nothing(tp2):

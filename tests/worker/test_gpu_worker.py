@@ -11,11 +11,9 @@ from tests.worker.worker_utils import (
     check_parity_with_hf,
     executor_step,
     make_engine_config,
-    make_scheduler,
     memory_profile,
-    mixed_scenario,
     run_kv_cache_handshake,
-    run_requests,
+    run_mixed_scenario,
 )
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 
@@ -50,9 +48,8 @@ def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
         kv_cache_config = run_kv_cache_handshake(executor)[0]
         [where] = executor.collective_rpc(placement)
         hf_model = load_hf_model(llama_path)
-        requests, arrivals, preempt, pause = mixed_scenario(hf_model.config.vocab_size)
-        scheduler = make_scheduler(kv_cache_config)
-        run_requests(scheduler, executor_step(executor), arrivals, preempt, pause)
+        vocab_size = hf_model.config.vocab_size
+        requests, record = run_mixed_scenario(executor_step(executor), kv_cache_config, vocab_size)
     finally:
         executor.shutdown()
     assert where == {
@@ -61,7 +58,7 @@ def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
         "kv_device": "cuda:0",
         "backend": "nccl",
     }
-    check_parity_with_hf(hf_model, requests, GPU_ATOL)
+    check_parity_with_hf(hf_model, requests, record, GPU_ATOL)
 
 
 def test_cuda_memory_profile(llama_path):

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint
-from tests.worker.toy_scheduler import ToyRequest
 from tests.worker.worker_utils import (
     executor_step,
     kv_cache_layout,
     make_engine_config,
     make_prompts,
+    make_request,
     make_scheduler,
     memory_profile,
     rss_bytes,
@@ -159,8 +159,8 @@ def test_bfloat16_kv_cache_with_float32_model(hybrid_path):
         kv_config = run_kv_cache_handshake(executor)[0]
         [layout] = executor.collective_rpc(kv_cache_layout)
         assert {entry[2] for entry in layout.values()} == {torch.bfloat16}
-        request = ToyRequest("bf16", make_prompts(131, [9])[0])
+        request = make_request("bf16", make_prompts(131, [9])[0])
         run_requests(make_scheduler(kv_config), executor_step(executor), {0: [request]})
     finally:
         executor.shutdown()
-    assert len(request.output) == 5
+    assert len(request.output_token_ids) == 5

@@ -1,11 +1,11 @@
 """Workers against transformers: greedy tokens identical, logits close (float32, CPU).
 
 Each case starts real worker processes (MultiprocExecutor, gloo), runs the KV cache handshake and
-drives `execute_model` through `collective_rpc` with hand-built SchedulerOutputs mixing chunked
-prefill, a cached prefix, a late arrival, a preemption and decodes (see
-`worker_utils.mixed_scenario`). Tiny random checkpoints cover Llama (untied GQA, tied MHA), Qwen2,
-Qwen3, Mistral (sliding window 8 < the sequences) and a hybrid Qwen2 (full + sliding-window
-layers: two KV cache groups); the real SmolLM2-135M runs at TP=1 and TP=3.
+drives `execute_model` through `collective_rpc` with the real scheduler's SchedulerOutputs, mixing
+chunked prefill, a cached prefix, late arrivals, a preemption, an unscheduled step and decodes
+(see `worker_utils.run_mixed_scenario`). Tiny random checkpoints cover Llama (untied GQA, tied
+MHA), Qwen2, Qwen3, Mistral (sliding window 8 < the sequences) and a hybrid Qwen2 (full +
+sliding-window layers: two KV cache groups); the real SmolLM2-135M runs at TP=1 and TP=3.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from tests.model.checkpoints import load_hf_model, make_checkpoint
-from tests.worker.toy_scheduler import ToyRequest
 from tests.worker.worker_utils import (
     check_parity_with_hf,
     executor_step,
     make_engine_config,
     make_prompts,
+    make_request,
     make_scheduler,
-    mixed_scenario,
     run_kv_cache_handshake,
+    run_mixed_scenario,
     run_requests,
 )
 from v1engine.executor.multiproc_executor import MultiprocExecutor
@@ -49,12 +49,11 @@ def test_mixed_batches_match_transformers(checkpoints, arch, tp):
     try:
         configs = run_kv_cache_handshake(executor)
         hf_model = load_hf_model(path)
-        requests, arrivals, preempt, pause = mixed_scenario(hf_model.config.vocab_size)
-        scheduler = make_scheduler(configs[0])
-        run_requests(scheduler, executor_step(executor), arrivals, preempt, pause)
+        vocab_size = hf_model.config.vocab_size
+        requests, record = run_mixed_scenario(executor_step(executor), configs[0], vocab_size)
     finally:
         executor.shutdown()
-    check_parity_with_hf(hf_model, requests, TINY_ATOL)
+    check_parity_with_hf(hf_model, requests, record, TINY_ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +70,22 @@ def test_smollm2_matches_transformers(smollm2, tp):
         default_model_path(), tp, max_model_len=128, kv_cache_memory_bytes=32 << 20
     )
     prompts = make_prompts(hf_model.config.vocab_size, [21, 6, 13])
+    # 40 tokens hold every request; 12 blocks of 4 do not hold all three at once.
+    max_model_len = 40
     requests = [
-        ToyRequest("long", prompts[0]),
-        ToyRequest("short", prompts[1]),
+        make_request("long", prompts[0], max_model_len),
+        make_request("short", prompts[1], max_model_len),
         # Shares the first 16 tokens (4 blocks) of "long", computed in the first two steps.
-        ToyRequest(
-            "prefix", prompts[0][:16] + prompts[2], num_cached_tokens=16, prefix_from="long"
-        ),
+        make_request("prefix", prompts[0][:16] + prompts[2], max_model_len),
     ]
     executor = MultiprocExecutor(config)
     try:
-        scheduler = make_scheduler(run_kv_cache_handshake(executor)[0], token_budget=12)
+        kv_cache_config = run_kv_cache_handshake(executor)[0]
+        scheduler = make_scheduler(kv_cache_config, 12, 12, max_model_len)
         arrivals = {0: requests[:2], 2: requests[2:]}
-        run_requests(scheduler, executor_step(executor), arrivals, preempt={4: "short"})
+        record = run_requests(scheduler, executor_step(executor), arrivals)
     finally:
         executor.shutdown()
-    check_parity_with_hf(hf_model, requests, SMOLLM2_ATOL)
+    events = {event for event, _ in record.events()}
+    assert {"chunked_prefill", "prefix_hit", "preempted", "resumed"} <= events
+    check_parity_with_hf(hf_model, requests, record, SMOLLM2_ATOL)

@@ -1,5 +1,6 @@
 """Shared helpers for worker tests: configs, the KV cache handshake, functions that run inside
-the workers through `collective_rpc`, and a parity check against transformers.
+the workers through `collective_rpc`, the real `Scheduler` driving them, and a parity check
+against transformers.
 
 Functions taking `worker` first are module-level on purpose: `collective_rpc` imports them by name
 in every worker process and calls `fn(worker, *args)`.
@@ -7,19 +8,23 @@ in every worker process and calls `fn(worker, *args)`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tests.worker.toy_scheduler import ToyRequest, ToyScheduler
-from v1engine.config import EngineConfig
+from v1engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
+from v1engine.core.scheduler import Scheduler
 from v1engine.engine_args import EngineArgs
 from v1engine.executor.abstract import Executor
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.request import EngineCoreOutputs, Request
+from v1engine.sampling_params import SamplingParams
 
 KV_CACHE_BYTES = 4 << 20
 
@@ -52,11 +57,6 @@ def run_kv_cache_handshake(executor: Executor) -> list[KVCacheConfig]:
     return configs
 
 
-def make_scheduler(kv_cache_config: KVCacheConfig, token_budget: int = 10) -> ToyScheduler:
-    block_sizes = [group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups]
-    return ToyScheduler(block_sizes, kv_cache_config.num_blocks, token_budget)
-
-
 # -- run inside the workers ---------------------------------------------------------------------
 def execute_with_logits(
     worker: Any, scheduler_output: SchedulerOutput
@@ -82,7 +82,7 @@ def execute_with_logits(
 def num_known_requests(worker: Any) -> tuple[int, int]:
     """(requests with state, rows in the input batch)."""
     runner = worker.model_runner
-    return len(runner.requests), runner.input_batch.num_reqs
+    return len(runner.states.requests), runner.states.input_batch.num_reqs
 
 
 def kv_cache_layout(worker: Any) -> dict[str, tuple]:
@@ -118,8 +118,53 @@ def worker_threads(worker: Any) -> tuple[int, list[int], str]:
     return torch.get_num_threads(), sorted(os.sched_getaffinity(0)), str(worker.device)
 
 
-# -- driving and checking ----------------------------------------------------------------------
+# -- driving with the real scheduler -------------------------------------------------------------
+# The scheduler's own limits; make_engine_config gives the workers max_model_len=64 and
+# max_num_seqs=8, which these must not exceed.
+SCHEDULER_MAX_MODEL_LEN = 32
+SCHEDULER_MAX_NUM_SEQS = 8
+# What `RunRecord.events` can report: the situations the workers' request states must survive.
+EVENTS = frozenset({"chunked_prefill", "prefix_hit", "preempted", "resumed", "unscheduled"})
+
 StepFn = Callable[[SchedulerOutput], tuple[ModelRunnerOutput, torch.Tensor | None]]
+
+
+def make_scheduler(
+    kv_cache_config: KVCacheConfig,
+    token_budget: int = 10,
+    num_blocks_per_group: int | None = None,
+    max_model_len: int = SCHEDULER_MAX_MODEL_LEN,
+) -> Scheduler:
+    """The real Scheduler, prefix caching on, over the workers' KV cache config.
+
+    `token_budget` is its max_num_batched_tokens (small: prompts are chunked). With
+    `num_blocks_per_group` it hands out only that many blocks per KV cache group (block 0 aside),
+    a subset of the workers' cache, so requests get preempted.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if num_blocks_per_group is not None:
+        num_blocks = num_blocks_per_group * len(groups) + 1
+        assert num_blocks <= kv_cache_config.num_blocks, (num_blocks, kv_cache_config.num_blocks)
+        kv_cache_config = dataclasses.replace(kv_cache_config, num_blocks=num_blocks)
+    return Scheduler(
+        SchedulerConfig(max_model_len, token_budget, SCHEDULER_MAX_NUM_SEQS),
+        CacheConfig(block_size=groups[0].kv_cache_spec.block_size),
+        kv_cache_config,
+    )
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int],
+    max_model_len: int = SCHEDULER_MAX_MODEL_LEN,
+    **sampling_kwargs: Any,
+) -> Request:
+    """A request that stops only at max_tokens (5 unless given), with no EOS; greedy unless
+    told otherwise. `max_model_len` must be its scheduler's."""
+    sampling_kwargs.setdefault("temperature", 0.0)
+    sampling_kwargs.setdefault("max_tokens", 5)
+    params = SamplingParams(**sampling_kwargs)
+    return Request(req_id, prompt, params, None, max_model_len, arrival_time=0.0)
 
 
 def executor_step(executor: Executor) -> StepFn:
@@ -131,36 +176,94 @@ def executor_step(executor: Executor) -> StepFn:
     return step
 
 
-def run_requests(
-    scheduler: ToyScheduler,
-    step: StepFn,
-    arrivals: dict[int, list[ToyRequest]] | None = None,
-    preempt: dict[int, str] | None = None,
-    pause: dict[int, str] | None = None,
-    max_steps: int = 200,
-) -> int:
-    """Steps until every request finished, then flushes; returns the number of steps.
+@dataclasses.dataclass
+class RunRecord:
+    """What a run saw: every step's SchedulerOutput and, per request id, the logits each sampled
+    token was drawn from ([vocab_size] on the CPU, when the step function records them) and its
+    logprobs as (token ids, logprobs, rank of the sampled token)."""
 
-    `arrivals`, `preempt` and `pause` are keyed by step index: requests added before that step,
-    a running request preempted before it, a running request left unscheduled in it.
+    scheduler_outputs: list[SchedulerOutput] = dataclasses.field(default_factory=list)
+    logits: defaultdict[str, list[torch.Tensor]] = dataclasses.field(
+        default_factory=lambda: defaultdict(list)
+    )
+    logprobs: defaultdict[str, list[tuple[list[int], list[float], int]]] = dataclasses.field(
+        default_factory=lambda: defaultdict(list)
+    )
+
+    def add_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        result: ModelRunnerOutput,
+        logits: torch.Tensor | None,
+        outputs: EngineCoreOutputs,
+    ) -> None:
+        self.scheduler_outputs.append(scheduler_output)
+        sampling = [r for r, tokens in zip(result.req_ids, result.sampled_token_ids) if tokens]
+        for row, req_id in enumerate(sampling):
+            if logits is not None:
+                self.logits[req_id].append(logits[row])
+        for output in outputs.outputs:
+            lists = output.new_logprobs
+            if lists is not None:
+                entry = (lists.token_ids[0], lists.logprobs[0], lists.sampled_token_ranks[0])
+                self.logprobs[output.request_id].append(entry)
+
+    def events(self) -> set[tuple[str, str]]:
+        """(event, request id) for every situation in `EVENTS` that the workers went through,
+        read from the SchedulerOutputs alone."""
+        events: set[tuple[str, str]] = set()
+        in_batch: set[str] = set()
+        for output in self.scheduler_outputs:
+            for new_req in output.scheduled_new_reqs:
+                num_left = len(new_req.prompt_token_ids) - new_req.num_computed_tokens
+                if output.num_scheduled_tokens[new_req.req_id] < num_left:
+                    events.add(("chunked_prefill", new_req.req_id))
+                if new_req.num_computed_tokens > 0:
+                    events.add(("prefix_hit", new_req.req_id))
+            events |= {("preempted", req_id) for req_id in output.preempted_req_ids}
+            cached = output.scheduled_cached_reqs
+            for req_id, resumed in zip(cached.req_ids, cached.resumed_from_preemption):
+                if resumed:
+                    events.add(("resumed", req_id))
+            # In the batch last step, neither finished nor preempted, yet not scheduled now.
+            scheduled = output.num_scheduled_tokens.keys()
+            left_out = in_batch - output.finished_req_ids - output.preempted_req_ids - scheduled
+            events |= {("unscheduled", req_id) for req_id in left_out}
+            in_batch = set(scheduled)
+        return events
+
+
+def run_requests(
+    scheduler: Scheduler,
+    step: StepFn,
+    arrivals: dict[int, list[Request]],
+    budgets: dict[int, int] | None = None,
+    max_steps: int = 200,
+) -> RunRecord:
+    """Steps until every request finished, then once more so the workers drop the last ones.
+
+    `arrivals`: requests added before step i. `budgets`: the token budget of step i instead of
+    the scheduler's. The scheduler gives every running request at least one token of a fixed
+    budget, so lowering it for one step is the one way to leave running requests unscheduled.
     """
-    arrivals, preempt, pause = arrivals or {}, preempt or {}, pause or {}
+    budgets = budgets or {}
+    token_budget = scheduler.max_num_batched_tokens
+    record = RunRecord()
     num_steps = 0
-    while scheduler.has_unfinished() or any(i >= num_steps for i in arrivals):
+    while scheduler.has_unfinished_requests() or any(i >= num_steps for i in arrivals):
         assert num_steps < max_steps, "requests did not finish"
         for request in arrivals.get(num_steps, []):
-            scheduler.add(request)
-        if num_steps in preempt:
-            scheduler.preempt(preempt[num_steps])
-        if num_steps in pause:
-            scheduler.paused.add(pause[num_steps])
+            scheduler.add_request(request)
+        scheduler.max_num_batched_tokens = budgets.get(num_steps, token_budget)
         scheduler_output = scheduler.schedule()
         result, logits = step(scheduler_output)
-        scheduler.update(scheduler_output, result, logits)
+        outputs = scheduler.update_from_output(scheduler_output, result)
+        record.add_step(scheduler_output, result, logits, outputs)
         num_steps += 1
-    result, logits = step(scheduler.flush())
+    scheduler.max_num_batched_tokens = token_budget
+    result, logits = step(scheduler.schedule())
     assert result.req_ids == [] and logits is None
-    return num_steps
+    return record
 
 
 def make_prompts(vocab_size: int, lens: list[int], seed: int = 0) -> list[list[int]]:
@@ -168,31 +271,35 @@ def make_prompts(vocab_size: int, lens: list[int], seed: int = 0) -> list[list[i
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lens]
 
 
-def mixed_scenario(vocab_size: int) -> tuple[list[ToyRequest], dict, dict, dict]:
-    """Requests and events covering chunked prefill, a cached prefix, a late arrival, a
-    preemption with recomputation and an unscheduled step, with decodes mixed in throughout.
-
-    Returns: (all requests, arrivals, preempt, pause) for `run_requests` (token budget 10).
+def run_mixed_scenario(
+    step: StepFn, kv_cache_config: KVCacheConfig, vocab_size: int
+) -> tuple[list[Request], RunRecord]:
+    """Greedy requests through the real scheduler, driven by its knobs into every situation in
+    `EVENTS` with decodes mixed in throughout: a budget of 10 chunks 11- and 17-token prompts;
+    "d" arrives sharing "a"'s first 8 tokens (2 blocks of 4) and hits them in the prefix cache;
+    12 blocks per group run out, so "d" is preempted and recomputes; a budget of 1 in step 7
+    leaves "d" and "e" unscheduled. Asserts all of it happened.
     """
     a, b, c, e = make_prompts(vocab_size, [11, 5, 17, 3])
     extra = make_prompts(vocab_size, [4], seed=1)[0]
-    req_a = ToyRequest("a", a)
-    req_b = ToyRequest("b", b)
-    req_c = ToyRequest("c", c)  # 17 tokens over a budget of 10: chunked
-    # Shares a's first 8 tokens (2 blocks of 4), which a computed in step 0.
-    req_d = ToyRequest("d", a[:8] + extra, num_cached_tokens=8, prefix_from="a")
-    req_e = ToyRequest("e", e)
+    req_a, req_b, req_c = make_request("a", a), make_request("b", b), make_request("c", c)
+    req_d, req_e = make_request("d", a[:8] + extra), make_request("e", e)
     arrivals = {0: [req_a, req_b, req_c], 2: [req_d], 4: [req_e]}
-    return [req_a, req_b, req_c, req_d, req_e], arrivals, {3: "b"}, {5: "c"}
+    scheduler = make_scheduler(kv_cache_config, token_budget=10, num_blocks_per_group=12)
+    record = run_requests(scheduler, step, arrivals, budgets={7: 1})
+    assert {event for event, _ in record.events()} == EVENTS, sorted(record.events())
+    return [req_a, req_b, req_c, req_d, req_e], record
 
 
-def check_parity_with_hf(hf_model: torch.nn.Module, requests: list[ToyRequest], atol: float):
+def check_parity_with_hf(
+    hf_model: torch.nn.Module, requests: list[Request], record: RunRecord, atol: float
+) -> None:
     """Every sampled token is transformers' greedy choice, and the logits it was sampled from
     match transformers' at that position within `atol`."""
     for request in requests:
-        ids = torch.tensor([request.tokens[:-1]])
+        ids = torch.tensor([request.all_token_ids[:-1]])
         with torch.no_grad():
-            expected = hf_model(ids).logits[0, len(request.prompt) - 1 :].float()
-        ours = torch.stack(request.logits)
-        torch.testing.assert_close(ours, expected, atol=atol, rtol=0, msg=request.req_id)
-        assert request.output == expected.argmax(-1).tolist(), request.req_id
+            expected = hf_model(ids).logits[0, request.num_prompt_tokens - 1 :].float()
+        ours = torch.stack(record.logits[request.request_id])
+        torch.testing.assert_close(ours, expected, atol=atol, rtol=0, msg=request.request_id)
+        assert request.output_token_ids == expected.argmax(-1).tolist(), request.request_id

@@ -1,18 +1,15 @@
 """GPUModelRunner: owns the model, the KV caches and the persistent batch; runs one step.
 
 A step (`execute_model`):
-1. `_update_states`: finished requests drop their state, preempted ones leave the batch but keep
-   it; new requests arrive whole, running ones as diffs (output tokens the scheduler saw sampled,
-   new blocks, computed-token count). Requests not scheduled this step leave the batch too, so
-   rows 0 .. num_reqs - 1 are exactly this step's requests.
+1. `RequestStates.update` applies the SchedulerOutput diffs to the request states and the
+   persistent batch, so rows 0 .. num_reqs - 1 are exactly this step's requests (the contract is
+   written out in `request_states.py`).
 2. `build_model_inputs`: flat input ids and positions, per-group slot mappings and block tables,
    and the index of each sampling request's last token, built in numpy and copied to the device.
 3. forward inside `set_forward_context`, logits only at those last tokens (every rank: the LM
    head gathers over the tensor-parallel group), then the driver alone samples.
 
-Workers never append what they sample: the scheduler sends every output token back in
-`new_token_ids`, so all ranks keep identical state. The class runs on CPU or CUDA alike; its
-name follows vLLM.
+The class runs on CPU or CUDA alike; its name follows vLLM.
 """
 
 from __future__ import annotations
@@ -36,10 +33,11 @@ from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
-from v1engine.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from v1engine.worker.input_batch import CachedRequestState, InputBatch
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import allocate_kv_caches, bind_kv_caches, unbind_kv_caches
 from v1engine.worker.model_inputs import build_model_inputs, dummy_attention_metadata
+from v1engine.worker.request_states import RequestStates
 from v1engine.worker.sampling_inputs import (
     build_sampling_metadata,
     dummy_sampling_metadata,
@@ -74,8 +72,8 @@ class GPUModelRunner:
         self.attn_layers: dict[str, Attention] = {}
         self.weights_bytes = 0
         self.sampler = Sampler()
-        self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch: InputBatch | None = None
+        # The request states and the persistent batch; built with the KV cache.
+        self.states: RequestStates | None = None
         # Per KV cache group, the attention layers that read its block table.
         self.group_layer_names: list[list[str]] = []
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -143,8 +141,8 @@ class GPUModelRunner:
         groups = kv_cache_config.kv_cache_groups
         self.group_layer_names = [list(group.layer_names) for group in groups]
         block_sizes = [group.kv_cache_spec.block_size for group in groups]
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, block_sizes)
-        self.requests.clear()
+        input_batch = InputBatch(self.max_num_reqs, self.max_model_len, block_sizes)
+        self.states = RequestStates(input_batch, generator_device=self.device)
         num_bytes = sum(tensor.size for tensor in kv_cache_config.kv_cache_tensors)
         info_once(
             logger,
@@ -167,15 +165,14 @@ class GPUModelRunner:
     def shutdown(self) -> None:
         unbind_kv_caches(self.attn_layers)
         self.kv_caches = {}
-        self.requests.clear()
-        self.input_batch = None
+        self.states = None
 
     # -- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs one scheduled step. Returns: the sampled tokens on the driver, None elsewhere."""
         self._update_states(scheduler_output)
-        batch = self.input_batch
+        batch = self.states.input_batch
         req_ids = list(batch.req_ids)
         query_lens = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
@@ -197,89 +194,16 @@ class GPUModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         if not self.is_driver:
             return None
-        states = [self.requests[req_ids[row]] for row in inputs.sampling_rows]
+        states = [self.states.requests[req_ids[row]] for row in inputs.sampling_rows]
         output = self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
         for row, token_id in zip(inputs.sampling_rows, output.sampled_token_ids.tolist()):
             sampled[row] = [token_id]
         return ModelRunnerOutput(req_ids, sampled, to_logprobs_lists(output.logprobs))
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        batch = self.input_batch
-        if batch is None:
+        if self.states is None:
             raise RuntimeError(
                 "execute_model before initialize_from_config: the KV cache must be allocated "
                 "first (run the start-up handshake)"
             )
-        # Sets iterate in each process's own string-hash order: remove rows in one order on
-        # every rank, or their row layouts differ and the tensor-parallel all-reduces mix
-        # requests.
-        for req_id in sorted(scheduler_output.finished_req_ids):
-            self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
-        for req_id in sorted(scheduler_output.preempted_req_ids):
-            batch.remove_request(req_id)
-        for new_req in scheduler_output.scheduled_new_reqs:
-            self.requests[new_req.req_id] = self._new_request_state(new_req)
-        self._apply_cached_diffs(scheduler_output.scheduled_cached_reqs)
-        scheduled = scheduler_output.num_scheduled_tokens
-        for req_id in [r for r in batch.req_ids if r not in scheduled]:
-            batch.remove_request(req_id)  # not scheduled this step: its state stays
-        for req_id in scheduled:
-            if req_id in batch.req_id_to_index:
-                continue
-            if req_id not in self.requests:
-                raise RuntimeError(
-                    f"request {req_id!r} is scheduled but the workers never received it as a "
-                    "new request (or it already finished)"
-                )
-            batch.add_request(self.requests[req_id])
-
-    def _new_request_state(self, new_req: NewRequestData) -> CachedRequestState:
-        generator = None
-        seed = new_req.sampling_params.seed
-        if seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-        return CachedRequestState(
-            req_id=new_req.req_id,
-            prompt_token_ids=list(new_req.prompt_token_ids),
-            sampling_params=new_req.sampling_params,
-            generator=generator,
-            block_ids=[list(ids) for ids in new_req.block_ids],
-            num_computed_tokens=new_req.num_computed_tokens,
-        )
-
-    def _apply_cached_diffs(self, cached: CachedRequestData) -> None:
-        """Updates each running request's state and, when it keeps its row, the row itself;
-        requests without a row are written whole afterwards."""
-        batch = self.input_batch
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:
-                raise RuntimeError(
-                    f"scheduled_cached_reqs names request {req_id!r}, which the workers do not "
-                    "know: it never arrived as a new request or has finished"
-                )
-            new_token_ids, new_block_ids = cached.new_token_ids[i], cached.new_block_ids[i]
-            state.output_token_ids.extend(new_token_ids)
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            if cached.resumed_from_preemption[i]:
-                if new_block_ids is None:
-                    raise RuntimeError(
-                        f"request {req_id!r} resumes from preemption without a block table; "
-                        "the scheduler must send its whole table in new_block_ids"
-                    )
-                # The scheduler sends the whole table: its blocks may all have changed.
-                state.block_ids = [list(ids) for ids in new_block_ids]
-                batch.remove_request(req_id)
-                continue
-            if new_block_ids is not None:
-                for ids, new_ids in zip(state.block_ids, new_block_ids):
-                    ids.extend(new_ids)
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:
-                continue
-            batch.append_tokens(row, new_token_ids)
-            batch.num_computed_tokens[row] = state.num_computed_tokens
-            if new_block_ids is not None:
-                batch.append_block_ids(row, new_block_ids)
+        self.states.update(scheduler_output)

@@ -42,6 +42,10 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
 
 class BlockTable:
     """Block ids of every batch row for one KV cache group, and the slots they map tokens to."""
@@ -108,7 +112,7 @@ class InputBatch:
         self.req_ids.append(state.req_id)
         self.req_id_to_index[state.req_id] = row
         self.num_tokens[row] = 0
-        self.append_tokens(row, state.prompt_token_ids + state.output_token_ids)
+        self.append_tokens(row, state.all_token_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
         if len(state.block_ids) != len(self.block_tables):
             raise RuntimeError(

@@ -1,0 +1,139 @@
+"""The worker's request states, kept in step with the scheduler by applying each SchedulerOutput.
+
+`RequestStates` owns every request's `CachedRequestState` and the persistent `InputBatch`, and is
+the one implementation of the worker side of the contract below: `GPUModelRunner` and every test
+double use it. It knows no model and no device; a seeded request's generator is made on the
+device it is given.
+
+The SchedulerOutput-diff contract (the types are in `v1engine/outputs.py`):
+- New requests arrive whole, once: the first time a request is scheduled it comes as a
+  `NewRequestData` (prompt, sampling parameters, one block-id list per KV cache group, and its
+  computed-token count, prefix-cache hits included). Workers keep its state until it appears in
+  `finished_req_ids`, preemption included.
+- Running requests arrive as diffs: each later step that schedules a request names it in
+  `scheduled_cached_reqs` with the tokens appended since the workers last saw it, the blocks it
+  gained this step per group (None when it gained none) and its computed-token count. Workers
+  never append what they sample: the scheduler sends every output token back in
+  `new_token_ids`, so all ranks keep identical state.
+- `finished_req_ids`: requests finished or aborted since the last step; workers drop their
+  state. Ids the workers never received (aborted while waiting) are ignored.
+- `preempted_req_ids`: requests preempted this step. They lose their blocks and leave the batch,
+  but workers keep their tokens and generator. A resumed request comes as a diff with
+  `resumed_from_preemption` and its whole new block table in `new_block_ids` (its old blocks
+  may all have been reused); its computed-token count says where recomputation starts.
+- `num_scheduled_tokens` names every request scheduled this step. Requests not in it leave the
+  batch and keep their state, so batch rows 0 .. num_reqs - 1 are exactly this step's requests;
+  a request that has no row (new, resumed, or left out of an earlier step) is written whole.
+- A request samples only when its computed tokens plus this step's reach the end of its known
+  tokens; a partial prefill chunk samples nothing.
+- Every tensor-parallel rank applies the same SchedulerOutput and must end with the same rows,
+  or the all-reduces mix requests. Sets iterate in each process's own string-hash order, so
+  removals go in sorted order; additions follow the order of `num_scheduled_tokens`.
+A SchedulerOutput naming requests the workers cannot hold raises `RuntimeError` before any
+state changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from v1engine.worker.input_batch import CachedRequestState, InputBatch
+
+
+class RequestStates:
+    def __init__(self, input_batch: InputBatch, generator_device: torch.device | str) -> None:
+        self.input_batch = input_batch
+        # Where seeded requests' generators live: the device the sampler runs on.
+        self.generator_device = torch.device(generator_device)
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Applies one step's SchedulerOutput to the request states and the input batch."""
+        self._check(scheduler_output)
+        batch = self.input_batch
+        for req_id in sorted(scheduler_output.finished_req_ids):
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in sorted(scheduler_output.preempted_req_ids):
+            batch.remove_request(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self.requests[new_req.req_id] = self._new_request_state(new_req)
+        self._apply_cached_diffs(scheduler_output.scheduled_cached_reqs)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_ids if r not in scheduled]:
+            batch.remove_request(req_id)  # not scheduled this step: its state stays
+        for req_id in scheduled:
+            if req_id not in batch.req_id_to_index:
+                batch.add_request(self.requests[req_id])
+
+    def _check(self, scheduler_output: SchedulerOutput) -> None:
+        """Raises on a SchedulerOutput that names requests the workers cannot hold."""
+        held = self.requests.keys() - scheduler_output.finished_req_ids
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.req_id in held:
+                raise RuntimeError(
+                    f"request {new_req.req_id!r} arrives as a new request but the workers "
+                    "already hold it; the scheduler sends a request whole only once"
+                )
+        known = held | {new_req.req_id for new_req in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, resumed, new_block_ids in zip(
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids
+        ):
+            if req_id not in known:
+                raise RuntimeError(
+                    f"scheduled_cached_reqs names request {req_id!r}, which the workers do not "
+                    "know: it never arrived as a new request or has finished"
+                )
+            if resumed and new_block_ids is None:
+                raise RuntimeError(
+                    f"request {req_id!r} resumes from preemption without a block table; "
+                    "the scheduler must send its whole table in new_block_ids"
+                )
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id not in known:
+                raise RuntimeError(
+                    f"request {req_id!r} is scheduled but the workers never received it as a "
+                    "new request (or it already finished)"
+                )
+
+    def _new_request_state(self, new_req: NewRequestData) -> CachedRequestState:
+        generator = None
+        seed = new_req.sampling_params.seed
+        if seed is not None:
+            generator = torch.Generator(device=self.generator_device)
+            generator.manual_seed(seed)
+        return CachedRequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            sampling_params=new_req.sampling_params,
+            generator=generator,
+            block_ids=[list(ids) for ids in new_req.block_ids],
+            num_computed_tokens=new_req.num_computed_tokens,
+        )
+
+    def _apply_cached_diffs(self, cached: CachedRequestData) -> None:
+        """Updates each running request's state and, when it keeps its row, the row itself;
+        requests without a row are written whole afterwards."""
+        batch = self.input_batch
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            new_token_ids, new_block_ids = cached.new_token_ids[i], cached.new_block_ids[i]
+            state.output_token_ids.extend(new_token_ids)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                # The scheduler sends the whole table: its blocks may all have changed.
+                state.block_ids = [list(ids) for ids in new_block_ids]
+                batch.remove_request(req_id)
+                continue
+            if new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                continue
+            batch.append_tokens(row, new_token_ids)
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.append_block_ids(row, new_block_ids)
