@@ -1,9 +1,7 @@
 """What each stage outputs: the scheduler's step for the workers, the model runner's reply, and
 the `RequestOutput`s users get (at the end).
 
-What crosses between the scheduler and the workers each step:
-
-`SchedulerOutput` sends a request whole the first time it is scheduled (`NewRequestData`) and
+Between the scheduler and the workers, `SchedulerOutput` sends a request whole the first time it is scheduled (`NewRequestData`) and
 afterwards only what changed (`CachedRequestData`). The full contract (what workers keep, drop
 and rebuild, and in which order) is written out in `v1engine/worker/request_states.py`, the one
 module that applies it.
