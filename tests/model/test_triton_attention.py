@@ -17,10 +17,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.model.paged_batch import BlockAllocator, build_metadata, torch_paged_attention
+from tests.model.paged_batch import (
+    BlockAllocator,
+    attention_spec,
+    build_metadata,
+    torch_paged_attention,
+)
 from v1engine.model.layers import torch_attention
 from v1engine.model.layers import triton_attention as ta
-from v1engine.model.layers.attention_backend import CommonAttentionMetadata
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata, get_attention_backend
 
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -220,6 +225,25 @@ def test_rejects_bad_inputs() -> None:
         ta.paged_attention(torch.zeros(2, 3, 16), cache, cache, metadata, 1.0)
     with pytest.raises(ValueError, match="key/value"):
         ta.write_kv_cache(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), cache, cache, torch.zeros(2))
+
+
+def test_triton_backend_writes_and_attends_like_the_torch_backend() -> None:
+    """The registered backends, end to end: metadata, K/V write and attention of one layer."""
+    common = build_metadata(BlockAllocator(8, 4), [(0, 0, 6), (1, 0, 1)], num_padding_tokens=1)
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, common.num_tokens, 2, 16, generator=gen)
+    query = torch.randn(common.num_tokens, 4, 16, generator=gen)
+    results = []
+    for name in ("triton", "torch"):
+        backend = get_attention_backend(name)
+        assert backend.name == name
+        kv_cache = (torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16))
+        metadata = backend.build_metadata(common, attention_spec(kv_cache[0], sliding_window=3))
+        backend.write_kv_cache(key, value, kv_cache, metadata)
+        results.append((backend.forward(query, kv_cache, metadata, 0.25, 3), kv_cache))
+    (out, kv_cache), (expected, expected_kv_cache) = results
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
 
 
 @pytest.mark.gpu

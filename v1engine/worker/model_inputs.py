@@ -43,10 +43,7 @@ class StepLayout:
     seq_lens: np.ndarray  # [num_reqs] tokens in the KV cache after the step
     req_indices: np.ndarray  # [num_tokens] each token's batch row
     positions: np.ndarray  # [num_tokens] each token's position in its request
-
-    @property
-    def max_query_len(self) -> int:
-        return int(np.diff(self.query_start_loc).max())
+    max_query_len: int
 
 
 def step_layout(num_computed_tokens: np.ndarray, query_lens: np.ndarray) -> StepLayout:
@@ -55,9 +52,10 @@ def step_layout(num_computed_tokens: np.ndarray, query_lens: np.ndarray) -> Step
     np.cumsum(query_lens, out=query_start_loc[1:])
     req_indices = np.repeat(np.arange(len(query_lens)), query_lens)
     offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], query_lens)
-    positions = num_computed_tokens.astype(np.int64)[req_indices] + offsets
-    seq_lens = num_computed_tokens.astype(np.int64) + query_lens
-    return StepLayout(query_start_loc, seq_lens, req_indices, positions)
+    num_computed = num_computed_tokens.astype(np.int64)
+    positions = num_computed[req_indices] + offsets
+    seq_lens = num_computed + query_lens
+    return StepLayout(query_start_loc, seq_lens, req_indices, positions, int(query_lens.max()))
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -84,7 +84,7 @@ def _split_decodes(
     decodes: list[int], seq_lens: list[int], kv_cache_spec: AttentionSpec
 ) -> list[list[int]]:
     """Runs of the (sorted) decodes: up to DECODE_GROUP_SIZE each, fewer when the run's longest
-    request would gather more than MAX_GATHER_ELEMENTS keys."""
+    request would gather more than MAX_GATHER_ELEMENTS K elements."""
     block_size = kv_cache_spec.block_size
     per_token = kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
     runs: list[list[int]] = []
