@@ -1,10 +1,10 @@
 """What each stage outputs: the scheduler's step for the workers, the model runner's reply, and
 the `RequestOutput`s users get (at the end).
 
-Between the scheduler and the workers, `SchedulerOutput` sends a request whole the first time it is scheduled (`NewRequestData`) and
-afterwards only what changed (`CachedRequestData`). The full contract (what workers keep, drop
-and rebuild, and in which order) is written out in `v1engine/worker/request_states.py`, the one
-module that applies it.
+Between the scheduler and the workers, `SchedulerOutput` sends a request whole the first time it
+is scheduled (`NewRequestData`) and afterwards only what changed (`CachedRequestData`). The full
+contract (what workers keep, drop and rebuild, and in which order) is written out in
+`v1engine/worker/request_states.py`, the one module that applies it.
 """
 
 from __future__ import annotations

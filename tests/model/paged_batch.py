@@ -1,4 +1,5 @@
-"""Test helpers: hand-built `AttentionMetadata` and a dense reference for paged attention.
+"""Test helpers: a step's `CommonAttentionMetadata` built by the worker's own input code, the
+torch backend over it, and a dense reference for paged attention.
 
 `BlockAllocator` hands out shuffled block ids per request so tests catch any backend that assumes
 a request's blocks are contiguous; `build_metadata` turns (request, num_computed, num_new) triples
@@ -7,9 +8,20 @@ into the flattened-batch description the attention backends read.
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+from v1engine.kv_cache_interface import AttentionSpec
+from v1engine.model.layers.attention import Attention
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata
+from v1engine.model.layers.torch_attention import TorchAttentionBackend
+from v1engine.worker.input_batch import BlockTable
+from v1engine.worker.model_inputs import build_common_attn_metadata, step_layout
+
+# Written into every block table entry a request does not use: backends must never read it.
+GARBAGE_BLOCK_ID = 10**6
 
 
 class BlockAllocator:
@@ -32,33 +44,44 @@ def build_metadata(
     allocator: BlockAllocator,
     steps: list[tuple[int, int, int]],
     num_padding_tokens: int = 0,
-) -> AttentionMetadata:
-    """steps: (req_id, num_computed_tokens, num_new_tokens) per request, in batch order."""
-    block_size = allocator.block_size
-    slots, query_start_loc, seq_lens, tables = [], [0], [], []
-    for req_id, num_computed, num_new in steps:
-        seq_len = num_computed + num_new
-        table = allocator.ensure(req_id, seq_len)
-        for pos in range(num_computed, seq_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        query_start_loc.append(query_start_loc[-1] + num_new)
-        seq_lens.append(seq_len)
-        tables.append(table)
-    slots += [-1] * num_padding_tokens
-    width = max(len(t) for t in tables)
-    # Unused entries hold garbage on purpose: backends must not read them.
-    block_table = torch.full((len(tables), width), 10**6, dtype=torch.int32)
-    for r, table in enumerate(tables):
-        block_table[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    query_lens = [n for _, _, n in steps]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    device: str | torch.device = "cpu",
+) -> CommonAttentionMetadata:
+    """steps: (req_id, num_computed_tokens, num_new_tokens) per request, in batch order; padding
+    tokens (slot -1) follow the last request's."""
+    num_computed = np.array([c for _, c, _ in steps], dtype=np.int64)
+    query_lens = np.array([n for _, _, n in steps], dtype=np.int64)
+    layout = step_layout(num_computed, query_lens)
+    table = BlockTable(len(steps), int(layout.seq_lens.max()), allocator.block_size)
+    table.table[:] = GARBAGE_BLOCK_ID
+    for row, (req_id, _, _) in enumerate(steps):
+        table.set_row(row, allocator.ensure(req_id, int(layout.seq_lens[row])))
+    query_start_loc = torch.from_numpy(layout.query_start_loc).to(device, torch.int32)
+    [common] = build_common_attn_metadata([table], layout, query_start_loc, torch.device(device))
+    if not num_padding_tokens:
+        return common
+    padding = torch.full((num_padding_tokens,), -1, dtype=torch.int64, device=device)
+    return dataclasses.replace(common, slot_mapping=torch.cat([common.slot_mapping, padding]))
+
+
+def attention_spec(key_cache: torch.Tensor, sliding_window: int | None = None) -> AttentionSpec:
+    """The spec of a layer with a [num_blocks, block_size, num_kv_heads, head_size] cache."""
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    layer = Attention(num_kv_heads, head_size, 1.0, num_kv_heads, "spec", sliding_window)
+    return layer.get_kv_cache_spec(block_size, key_cache.dtype)
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    common: CommonAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The torch backend's attention of one layer over a step described by `common`."""
+    backend = TorchAttentionBackend()
+    metadata = backend.build_metadata(common, attention_spec(key_cache, sliding_window))
+    return backend.forward(query, (key_cache, value_cache), metadata, scale, sliding_window)
 
 
 def dense_attention(

@@ -1,44 +1,102 @@
-"""Test driver: runs a model through a paged KV cache the way the model runner will.
+"""Test driver: runs a model through a paged KV cache with the engine's own pieces.
 
-A tiny token-budget scheduler mixes chunked prefills and decodes of several requests in each
-step, with hand-built `AttentionMetadata`, and greedy-samples from the logits. It records every
-processed position's logits so tests can compare them row by row with transformers.
+The real `Scheduler` mixes chunked prefills and decodes of several requests under a token budget
+and allocates their blocks; the worker's `kv_cache` allocates and binds the caches, its
+`InputBatch` and `build_model_inputs` lay out each step, and the default attention backend builds
+the per-group metadata. Unlike `GPUModelRunner` (which computes logits only where it samples) it
+records every processed position's logits, so tests can compare them row by row with
+transformers, and it samples greedily. The batch is rebuilt each step from the scheduler's own
+requests, so no copy of the workers' diff protocol lives here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 from torch import nn
 
-from tests.model.paged_batch import BlockAllocator, build_metadata
+from v1engine.config import CacheConfig, SchedulerConfig
+from v1engine.core.kv_cache_utils import get_kv_cache_configs
+from v1engine.core.scheduler import Scheduler
+from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.model.forward_context import set_forward_context
 from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.attention_backend import get_default_attention_backend
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.request import Request
+from v1engine.sampling_params import SamplingParams
+from v1engine.worker.input_batch import CachedRequestState, InputBatch
+from v1engine.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_group_specs
+from v1engine.worker.model_inputs import build_model_inputs
 
 
-def bind_kv_caches(model: nn.Module, num_blocks: int, block_size: int) -> None:
-    """Gives every attention layer zeroed K and V caches of [num_blocks, block_size, kv, head]."""
-    param = next(model.parameters())
-    for layer in get_attention_layers(model).values():
-        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        layer.kv_cache = (
-            torch.zeros(shape, dtype=param.dtype, device=param.device),
-            torch.zeros(shape, dtype=param.dtype, device=param.device),
+class _PagedModel:
+    """The model with its bound caches and backend, and every processed position's logits."""
+
+    def __init__(
+        self, model: nn.Module, scheduler: Scheduler, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.device = next(model.parameters()).device
+        self.backend = get_default_attention_backend(self.device.type)
+        self.group_specs = kv_cache_group_specs(kv_cache_config)
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        batch = self._input_batch(scheduler_output, requests)
+        scheduled = scheduler_output.num_scheduled_tokens
+        query_lens = np.array([scheduled[r] for r in batch.req_ids], dtype=np.int64)
+        inputs = build_model_inputs(batch, query_lens, self.backend, self.group_specs, self.device)
+        with set_forward_context(inputs.query_start_loc, self.backend, inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden_size]
+        logits = self.model.compute_logits(hidden).cpu()  # [num_tokens, vocab_size]
+        bounds = inputs.query_start_loc.tolist()
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        for row, req_id in enumerate(batch.req_ids):
+            rows = logits[bounds[row] : bounds[row + 1]]
+            self.logits.setdefault(req_id, []).append(rows)
+            if row in inputs.sampling_rows:
+                sampled[row] = [int(rows[-1].argmax())]
+        self.scheduler.update_from_output(
+            scheduler_output, ModelRunnerOutput(list(batch.req_ids), sampled)
         )
 
+    def _input_batch(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> InputBatch:
+        """This step's requests as the scheduler holds them, in its order."""
+        block_sizes = [spec.block_size for spec in self.group_specs]
+        scheduler = self.scheduler
+        batch = InputBatch(scheduler.max_num_seqs, scheduler.max_model_len, block_sizes)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests[req_id]
+            state = CachedRequestState(
+                req_id=req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                generator=None,
+                block_ids=list(scheduler.kv_cache_manager.get_block_ids(req_id)),
+                num_computed_tokens=request.num_computed_tokens,
+                output_token_ids=list(request.output_token_ids),
+            )
+            batch.add_request(state)
+        return batch
 
-@dataclass
-class _Request:
-    tokens: list[int]
-    num_prompt_tokens: int
-    num_computed: int = 0
-    logits: list[torch.Tensor] = field(default_factory=list)
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
+def _bind_kv_caches(
+    model: nn.Module, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+) -> KVCacheConfig:
+    """Sizes the caches as the engine does (`num_gpu_blocks_override` blocks) and binds them."""
+    param = next(model.parameters())
+    layers = get_attention_layers(model)
+    specs = {
+        name: layer.get_kv_cache_spec(cache_config.block_size, param.dtype)
+        for name, layer in layers.items()
+    }
+    [kv_cache_config] = get_kv_cache_configs(cache_config, scheduler_config, [specs], [0])
+    bind_kv_caches(layers, allocate_kv_caches(kv_cache_config, param.device), kv_cache_config)
+    return kv_cache_config
 
 
 def generate_paged(
@@ -51,46 +109,25 @@ def generate_paged(
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy generation. Returns per request: the generated tokens, and the logits
     [num_prompt_tokens + max_new_tokens - 1, vocab_size] of every position it processed."""
-    bind_kv_caches(model, num_blocks, block_size)
-    allocator = BlockAllocator(num_blocks, block_size, seed=1)
-    reqs = [_Request(list(p), len(p)) for p in prompts]
-    while any(r.num_generated < max_new_tokens for r in reqs):
-        steps, budget = [], token_budget
-        for req_id, req in enumerate(reqs):
-            num_new = min(len(req.tokens) - req.num_computed, budget)
-            if req.num_generated >= max_new_tokens or num_new == 0:
-                continue
-            steps.append((req_id, req.num_computed, num_new))
-            budget -= num_new
-        _run_step(model, allocator, reqs, steps)
-    outputs = [r.tokens[r.num_prompt_tokens :] for r in reqs]
-    return outputs, [torch.cat(r.logits) for r in reqs]
-
-
-def _run_step(model, allocator, reqs, steps) -> None:
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([t for i, c, n in steps for t in reqs[i].tokens[c : c + n]])
-    positions = torch.cat([torch.arange(c, c + n) for _, c, n in steps])
-    metadata = build_metadata(allocator, steps)
-    metadata = dataclasses.replace(
-        metadata,
-        **{
-            f.name: getattr(metadata, f.name).to(device)
-            for f in dataclasses.fields(metadata)
-            if isinstance(getattr(metadata, f.name), torch.Tensor)
-        },
+    max_model_len = max(map(len, prompts)) + max_new_tokens
+    cache_config = CacheConfig(
+        block_size=block_size, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False
     )
-    with set_forward_context(metadata):
-        hidden = model(input_ids.to(device), positions.to(device))  # [num_tokens, hidden_size]
-    logits = model.compute_logits(hidden).cpu()  # [num_tokens, vocab_size]
-    start = 0
-    for req_id, _, num_new in steps:
-        req = reqs[req_id]
-        req.logits.append(logits[start : start + num_new])
-        start += num_new
-        req.num_computed += num_new
-        if req.num_computed == len(req.tokens):
-            req.tokens.append(int(logits[start - 1].argmax()))
+    scheduler_config = SchedulerConfig(max_model_len, token_budget, max_num_seqs=len(prompts))
+    kv_cache_config = _bind_kv_caches(model, cache_config, scheduler_config)
+    scheduler = Scheduler(scheduler_config, cache_config, kv_cache_config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    requests = {
+        str(i): Request(str(i), prompt, params, None, max_model_len)
+        for i, prompt in enumerate(prompts)
+    }
+    for request in requests.values():
+        scheduler.add_request(request)
+    runner = _PagedModel(model, scheduler, kv_cache_config)
+    while scheduler.has_unfinished_requests():
+        runner.step(scheduler.schedule(), requests)
+    outputs = [request.output_token_ids for request in requests.values()]
+    return outputs, [torch.cat(runner.logits[req_id]) for req_id in requests]
 
 
 def hf_reference(hf_model: nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:

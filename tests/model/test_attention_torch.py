@@ -7,9 +7,15 @@ import dataclasses
 import pytest
 import torch
 
-from tests.model.paged_batch import BlockAllocator, build_metadata, dense_attention
-from v1engine.model.layers import attention_torch_plan
-from v1engine.model.layers.attention_torch import paged_attention, write_kv_cache
+from tests.model.paged_batch import (
+    BlockAllocator,
+    attention_spec,
+    build_metadata,
+    dense_attention,
+    torch_paged_attention,
+)
+from v1engine.model.layers import torch_attention, torch_attention_plan
+from v1engine.model.layers.torch_attention import TorchAttentionBackend, write_kv_cache
 
 HEAD_SIZE = 8
 NUM_BLOCKS = 64
@@ -40,7 +46,7 @@ def _run_step(steps, num_heads, num_kv_heads, block_size, sliding_window, paddin
     write_kv_cache(new_k, new_v, key_cache, value_cache, metadata.slot_mapping)
     query = torch.randn(metadata.num_tokens, num_heads, HEAD_SIZE)
     scale = HEAD_SIZE**-0.5
-    out = paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window)
+    out = torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window)
     expected = torch.zeros_like(query)
     starts = metadata.query_start_loc.tolist()
     for r, (req_id, _, _) in enumerate(steps):
@@ -65,7 +71,7 @@ def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, sliding_
 
 
 def test_decode_split_into_several_gathers(monkeypatch):
-    monkeypatch.setattr(attention_torch_plan, "MAX_GATHER_ELEMENTS", 1)
+    monkeypatch.setattr(torch_attention_plan, "MAX_GATHER_ELEMENTS", 1)
     steps = [(r, 3 + 5 * r, 1) for r in range(6)]
     out, expected = _run_step(steps, 4, 2, 4, None)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -76,23 +82,33 @@ def test_many_decodes_of_mixed_lengths_in_sorted_groups(sliding_window):
     """More decodes than one group holds, in no length order, around a prefill."""
     lengths = [29, 3, 17, 40, 8, 22, 1, 35, 12, 26, 5, 31, 19, 9, 38, 14, 2, 24, 33, 11]
     steps = [(r, n, 1) for r, n in enumerate(lengths)] + [(99, 6, 5)]
-    assert len(lengths) > 2 * attention_torch_plan.DECODE_GROUP_SIZE
+    assert len(lengths) > 2 * torch_attention_plan.DECODE_GROUP_SIZE
     out, expected = _run_step(steps, 6, 2, 16, sliding_window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_the_plan_is_built_once_per_step_and_window():
+def test_the_plan_is_built_once_per_step_and_group(monkeypatch):
+    plans = []
+
+    def counting_build_step_plan(*args):
+        plans.append(torch_attention_plan.build_step_plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(torch_attention, "build_step_plan", counting_build_step_plan)
     torch.manual_seed(0)
-    metadata = build_metadata(BlockAllocator(NUM_BLOCKS, 4), MIXED)
-    caches = [torch.randn(NUM_BLOCKS, 4, 2, HEAD_SIZE) for _ in range(2)]
-    query = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
-    first = paged_attention(query, *caches, metadata, 0.3)
-    plan = next(iter(metadata.backend_cache.values()))
-    again = paged_attention(query, *caches, metadata, 0.3)  # the next layer of the same step
-    assert list(metadata.backend_cache.values()) == [plan]
+    common = build_metadata(BlockAllocator(NUM_BLOCKS, 4), MIXED)
+    caches = (torch.randn(NUM_BLOCKS, 4, 2, HEAD_SIZE), torch.randn(NUM_BLOCKS, 4, 2, HEAD_SIZE))
+    query = torch.randn(common.num_tokens, 4, HEAD_SIZE)
+    backend = TorchAttentionBackend()
+    metadata = backend.build_metadata(common, attention_spec(caches[0]))
+    first = backend.forward(query, caches, metadata, 0.3, None)
+    again = backend.forward(query, caches, metadata, 0.3, None)  # the next layer of the step
+    assert [metadata.plan] == plans
     torch.testing.assert_close(again, first, atol=0, rtol=0)
-    paged_attention(query, *caches, metadata, 0.3, sliding_window=5)
-    assert len(metadata.backend_cache) == 2
+    # A sliding-window group of the same step gets its own plan.
+    windowed = backend.build_metadata(common, attention_spec(caches[0], sliding_window=5))
+    backend.forward(query, caches, windowed, 0.3, 5)
+    assert len(plans) == 2 and windowed.plan.sliding_window == 5
 
 
 def test_sliding_window_of_one_sees_only_itself():
@@ -125,7 +141,8 @@ def test_bfloat16_close_to_float32_reference():
     for dtype in (torch.float32, torch.bfloat16):
         caches = [torch.zeros(NUM_BLOCKS, 4, 2, HEAD_SIZE, dtype=dtype) for _ in range(2)]
         write_kv_cache(k.to(dtype), v.to(dtype), *caches, metadata.slot_mapping)
-        outs.append(paged_attention(q.to(dtype), *caches, metadata, HEAD_SIZE**-0.5).float())
+        out = torch_paged_attention(q.to(dtype), *caches, metadata, HEAD_SIZE**-0.5)
+        outs.append(out.float())
     torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
 
 
@@ -139,12 +156,11 @@ def test_blocks_outside_the_window_are_never_read():
     shape = (NUM_BLOCKS, block_size, 2, HEAD_SIZE)
     key_cache, value_cache = torch.randn(shape), torch.randn(shape)
     query = torch.randn(metadata.num_tokens, 4, HEAD_SIZE)
-    expected = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
+    expected = torch_paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
     garbage = metadata.block_table.clone()
     for r, (_, num_computed, _) in enumerate(steps):
         first_visible = max(0, num_computed - window + 1)  # of the request's first query row
         garbage[r, : first_visible // block_size] = 10**6
-    # A new step's metadata (replace() starts an empty backend_cache, so the plan is rebuilt).
     metadata = dataclasses.replace(metadata, block_table=garbage)
-    out = paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
+    out = torch_paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

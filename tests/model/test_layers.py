@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.paged_batch import BlockAllocator, build_metadata
+from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
 from v1engine.model import parallel_state
 from v1engine.model.forward_context import set_forward_context
-from v1engine.model.layers import attention_torch, linear
-from v1engine.model.layers.attention import Attention, get_attention_backend
+from v1engine.model.layers import linear
+from v1engine.model.layers.attention import Attention
+from v1engine.model.layers.attention_backend import (
+    get_attention_backend,
+    get_default_attention_backend,
+)
 from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.torch_attention import TorchAttentionBackend
 
 
 def _simulate_tp(monkeypatch, rank: int, world_size: int) -> None:
@@ -74,21 +79,34 @@ def test_rms_norm_fuses_the_residual_add():
 
 
 def test_cpu_uses_torch_backend():
-    assert get_attention_backend("cpu") is attention_torch
+    assert isinstance(get_default_attention_backend("cpu"), TorchAttentionBackend)
 
 
-def test_attention_reads_its_own_entry_of_per_layer_metadata():
-    """Per-group metadata: a dict keyed by layer name, e.g. for full and sliding-window groups."""
+def test_unknown_backend_lists_the_registered_ones():
+    with pytest.raises(ValueError, match=r"'flash'.*\['torch', 'triton'\]"):
+        get_attention_backend("flash")
+
+
+def test_attention_reads_its_own_groups_metadata():
+    """Per-group metadata, e.g. for full and sliding-window groups: a list the layer indexes."""
     torch.manual_seed(0)
-    allocator = BlockAllocator(16, 4)
-    metadata = build_metadata(allocator, [(0, 0, 6), (1, 0, 3)])
+    steps = [(0, 0, 6), (1, 0, 3)]
     layers = [Attention(4, 8, 0.3, 2, f"layer{i}") for i in range(2)]
-    for layer in layers:
+    for index, layer in enumerate(layers):
         layer.kv_cache = (torch.zeros(16, 4, 2, 8), torch.zeros(16, 4, 2, 8))
+        layer.kv_cache_group_index = 1 - index
+    backend = TorchAttentionBackend()
+    spec = attention_spec(layers[0].kv_cache[0])
+    # Two groups with their own block tables: other blocks, so other slots.
+    group_metadata = [
+        backend.build_metadata(build_metadata(BlockAllocator(16, 4, seed), steps), spec)
+        for seed in (1, 0)
+    ]
     q, k, v = torch.randn(9, 32), torch.randn(9, 16), torch.randn(9, 16)
-    with set_forward_context({"layer0": metadata, "layer1": metadata}):
-        out = layers[0](q, k, v)
-    with set_forward_context(metadata):
-        expected = layers[1](q, k, v)
+    query_start_loc = torch.tensor([0, 6, 9], dtype=torch.int32)
+    with set_forward_context(query_start_loc, backend, group_metadata):
+        out = layers[0](q, k, v)  # group 1
+    with set_forward_context(query_start_loc, backend, group_metadata[1:]):
+        expected = layers[1](q, k, v)  # group 0 of a step whose only group is the same
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(layers[0].kv_cache[0], layers[1].kv_cache[0])

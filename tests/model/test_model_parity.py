@@ -15,7 +15,6 @@ from tests.model.paged_runner import generate_paged, hf_reference
 from v1engine.model.forward_context import set_forward_context
 from v1engine.model.hf_config import load_hf_config
 from v1engine.model.layers.attention import get_attention_layers
-from v1engine.model.layers.attention_metadata import AttentionMetadata
 from v1engine.model.loader import load_model
 
 ATOL = 1e-4
@@ -47,7 +46,7 @@ def test_paged_generation_matches_transformers(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_forward_without_kv_cache_matches_transformers(tmp_path, arch):
-    """The profiling path: no cache bound, with or without metadata, attends over new tokens."""
+    """The profiling path: no cache bound, one or several requests, attends over new tokens."""
     path = make_checkpoint(tmp_path, arch)
     model = load_model(path, load_hf_config(path), torch.float32, "cpu")
     hf_model = load_hf_model(path)
@@ -58,18 +57,11 @@ def test_forward_without_kv_cache_matches_transformers(tmp_path, arch):
         model.compute_logits(model(ids, positions)), expected, atol=ATOL, rtol=0
     )
 
-    # Two requests in one batch, each a fresh sequence: metadata but no cache, as in profiling.
+    # Two requests in one batch, each a fresh sequence, without a cache, as in profiling.
     n = len(prompt)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.full((2 * n,), -1),
-        query_start_loc=torch.tensor([0, n, 2 * n], dtype=torch.int32),
-        seq_lens=torch.tensor([n, n], dtype=torch.int32),
-        block_table=torch.zeros(2, 1, dtype=torch.int32),
-        max_query_len=n,
-        max_seq_len=n,
-    )
+    query_start_loc = torch.tensor([0, n, 2 * n], dtype=torch.int32)
     assert all(layer.kv_cache is None for layer in get_attention_layers(model).values())
-    with set_forward_context(metadata):
+    with set_forward_context(query_start_loc):
         hidden = model(ids.repeat(2), positions.repeat(2))
     logits = model.compute_logits(hidden)
     torch.testing.assert_close(logits[: len(prompt)], expected, atol=ATOL, rtol=0)

@@ -1,5 +1,5 @@
 """Triton paged attention against two oracles: a naive dense attention over each request's
-unpaged K/V (defined here) and `attention_torch.paged_attention` over the same paged cache.
+unpaged K/V (defined here) and the torch backend over the same paged cache.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest), so shapes stay tiny. The
 `gpu` test repeats the comparison at model-like shapes on a real device.
@@ -7,7 +7,7 @@ On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest), so shapes sta
 Tolerances (max |triton - oracle| per element, inputs ~ N(0, 1), outputs are convex combinations
 of V rows): fp32 1e-5 (same math, different summation order); fp16 2e-3 (P is rounded to fp16
 before the P @ V dot, plus the fp16 output rounding); bf16 1.6e-2 (bf16 output rounding, 2**-8
-relative). Against attention_torch, which also rounds in the input dtype, the bound is doubled.
+relative). Against the torch backend, which also rounds in the input dtype, the bound is doubled.
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from v1engine.model.layers import attention_torch
+from tests.model.paged_batch import (
+    BlockAllocator,
+    attention_spec,
+    build_metadata,
+    torch_paged_attention,
+)
+from v1engine.model.layers import torch_attention
 from v1engine.model.layers import triton_attention as ta
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata, get_attention_backend
 
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @dataclass
 class _Batch:
-    metadata: AttentionMetadata
+    metadata: CommonAttentionMetadata
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor
     keys: list[torch.Tensor]  # per request: [seq_len, num_kv_heads, head_size], unpaged
@@ -45,38 +51,25 @@ def _build_batch(
     """steps: (num_computed_tokens, num_new_tokens) per request. Every request's K/V (cached
     prefix and new tokens) is written with the Triton `write_kv_cache` into shuffled blocks of a
     cache pre-filled with noise; block-table entries past a request's last block are garbage."""
-    gen = torch.Generator().manual_seed(len(steps) * 1000 + head_size)
+    seed = len(steps) * 1000 + head_size
+    gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in steps) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
     cache_shape = (num_blocks, block_size, num_kv_heads, head_size)
     key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    keys, values, tables, all_slots, step_slots = [], [], [], [], []
-    for computed, new in steps:
-        seq_len = computed + new
-        table = [free.pop() for _ in range(-(-seq_len // block_size))]
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        keys.append(torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype))
-        values.append(torch.randn(seq_len, num_kv_heads, head_size, generator=gen).to(dtype))
-        tables.append(table)
-        all_slots += slots
-        step_slots += slots[computed:]
-    block_table = torch.full((len(steps), max(map(len, tables))), 10**6, dtype=torch.int32)
-    for r, table in enumerate(tables):
-        block_table[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    query_lens = torch.tensor([n for _, n in steps])
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(step_slots + [-1] * num_padding_tokens, device=device),
-        query_start_loc=torch.cat([torch.zeros(1), query_lens.cumsum(0)]).int().to(device),
-        seq_lens=torch.tensor([c + n for c, n in steps], dtype=torch.int32, device=device),
-        block_table=block_table.to(device),
-        max_query_len=max(n for _, n in steps),
-        max_seq_len=max(c + n for c, n in steps),
-    )
+    keys = [torch.randn(c + n, num_kv_heads, head_size, generator=gen).to(dtype) for c, n in steps]
+    values = [
+        torch.randn(c + n, num_kv_heads, head_size, generator=gen).to(dtype) for c, n in steps
+    ]
+    allocator = BlockAllocator(num_blocks, block_size, seed)
+    step = [(r, c, n) for r, (c, n) in enumerate(steps)]
+    metadata = build_metadata(allocator, step, num_padding_tokens, device)
+    # The same requests' blocks, every position: where the whole K/V goes.
+    all_slots = build_metadata(allocator, [(r, 0, c + n) for r, c, n in step]).slot_mapping
     key_cache, value_cache = key_cache.to(device), value_cache.to(device)
     ta.write_kv_cache(
         torch.cat(keys).to(device), torch.cat(values).to(device), key_cache, value_cache,
-        torch.tensor(all_slots, device=device),
+        all_slots.to(device),
     )  # fmt: skip
     return _Batch(metadata, key_cache, value_cache, keys, values)
 
@@ -125,7 +118,7 @@ def _check(
     tol = _TOL[dtype]
     dense = _dense_reference(query, batch, scale, sliding_window)
     torch.testing.assert_close(out.float().cpu(), dense, atol=tol, rtol=tol)
-    torch_out = attention_torch.paged_attention(*args)
+    torch_out = torch_paged_attention(*args)
     torch.testing.assert_close(out.float(), torch_out.float(), atol=2 * tol, rtol=2 * tol)
 
 
@@ -200,7 +193,7 @@ def test_write_kv_cache_strided_input_and_cast() -> None:
     slots = torch.tensor([0, 5, -1, 11, 7])
     ta.write_kv_cache(key, value, key_cache, value_cache, slots)
     expected_k, expected_v = torch.zeros_like(key_cache), torch.zeros_like(value_cache)
-    attention_torch.write_kv_cache(key, value, expected_k, expected_v, slots)
+    torch_attention.write_kv_cache(key, value, expected_k, expected_v, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
@@ -210,7 +203,7 @@ def test_launch_config_splits_decode_only(monkeypatch: pytest.MonkeyPatch) -> No
     query = torch.empty(2, 8, 128, dtype=torch.float16)
 
     def config(max_query_len: int, max_seq_len: int) -> ta._LaunchConfig:
-        metadata = AttentionMetadata(
+        metadata = CommonAttentionMetadata(
             torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(2, 1), max_query_len,
             max_seq_len,
         )  # fmt: skip
@@ -232,6 +225,25 @@ def test_rejects_bad_inputs() -> None:
         ta.paged_attention(torch.zeros(2, 3, 16), cache, cache, metadata, 1.0)
     with pytest.raises(ValueError, match="key/value"):
         ta.write_kv_cache(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), cache, cache, torch.zeros(2))
+
+
+def test_triton_backend_writes_and_attends_like_the_torch_backend() -> None:
+    """The registered backends, end to end: metadata, K/V write and attention of one layer."""
+    common = build_metadata(BlockAllocator(8, 4), [(0, 0, 6), (1, 0, 1)], num_padding_tokens=1)
+    gen = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, common.num_tokens, 2, 16, generator=gen)
+    query = torch.randn(common.num_tokens, 4, 16, generator=gen)
+    results = []
+    for name in ("triton", "torch"):
+        backend = get_attention_backend(name)
+        assert backend.name == name
+        kv_cache = (torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16))
+        metadata = backend.build_metadata(common, attention_spec(kv_cache[0], sliding_window=3))
+        backend.write_kv_cache(key, value, kv_cache, metadata)
+        results.append((backend.forward(query, kv_cache, metadata, 0.25, 3), kv_cache))
+    (out, kv_cache), (expected, expected_kv_cache) = results
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
 
 
 @pytest.mark.gpu

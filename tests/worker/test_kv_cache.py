@@ -30,7 +30,15 @@ from tests.worker.worker_utils import (
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.executor.uniproc_executor import UniProcExecutor
+from v1engine.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from v1engine.worker.gpu_worker import CPU_DEFAULT_KV_CACHE_BYTES
+from v1engine.worker.kv_cache import kv_cache_group_specs
 from v1engine.worker.memory import host_memory_bytes
 
 KV_BYTES = 64 << 20
@@ -86,6 +94,31 @@ def test_kv_caches_have_the_configured_layout(hybrid_tp2):
                 assert is_bound
                 key_ptrs.add(key_ptr)
             assert len(key_ptrs) == 1, "layers sharing a KVCacheTensor must view one buffer"
+
+
+def kv_cache_group_indices(worker) -> dict[str, int | None]:
+    return {
+        name: layer.kv_cache_group_index for name, layer in worker.model_runner.attn_layers.items()
+    }
+
+
+def test_layers_know_their_kv_cache_group(hybrid_tp2):
+    executor, configs, _, _ = hybrid_tp2
+    for config, indices in zip(configs, executor.collective_rpc(kv_cache_group_indices)):
+        groups = config.kv_cache_groups
+        assert indices == {name: g for g, group in enumerate(groups) for name in group.layer_names}
+
+
+def test_each_group_builds_metadata_for_one_attention_spec():
+    full = FullAttentionSpec(16, 2, 64, torch.float16)
+    window = SlidingWindowSpec(16, 2, 64, torch.float16, sliding_window=8)
+    wide = FullAttentionSpec(16, 4, 64, torch.float16)
+    groups = [KVCacheGroupSpec(["a", "b"], full), KVCacheGroupSpec(["c"], window)]
+    assert kv_cache_group_specs(KVCacheConfig(4, [], groups)) == [full, window]
+    # Layers of one type with different pages: the largest stands for the group.
+    uniform = UniformTypeKVCacheSpecs(16, {"a": full, "b": wide})
+    config = KVCacheConfig(4, [], [KVCacheGroupSpec(["a", "b"], uniform)])
+    assert kv_cache_group_specs(config) == [wide]
 
 
 def test_rss_grows_by_the_promised_bytes(hybrid_tp2):

@@ -1,9 +1,9 @@
 """The per-step context attention layers read, so the model's forward stays (input_ids, positions).
 
-The runner wraps each forward in `set_forward_context(attn_metadata)`; every `Attention` layer
-reads it through `get_forward_context()`. `attn_metadata` is one `AttentionMetadata` for all
-layers, or a dict keyed by layer name when KV cache groups (e.g. full and sliding-window layers)
-have their own block tables. Steps run one at a time per process, so a module global suffices.
+The runner wraps each forward in `set_forward_context(...)`; every `Attention` layer reads it
+through `get_forward_context()` and takes entry `kv_cache_group_index` of `attn_metadata`. It is a
+module global because a process runs one forward at a time (a worker executes its steps in
+order, and the model is never re-entered), so no layer can see another step's context.
 """
 
 from __future__ import annotations
@@ -11,13 +11,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+import torch
+
+from v1engine.model.layers.attention_backend import AttentionBackend
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardContext:
-    attn_metadata: AttentionMetadata | dict[str, AttentionMetadata] | None = None
+    # [num_reqs + 1] int32: where each request's new tokens start; None: one request.
+    query_start_loc: torch.Tensor | None = None
+    attn_backend: AttentionBackend | None = None
+    # Per KV cache group, the backend's metadata for this step; None: no KV cache (profiling).
+    attn_metadata: list[Any] | None = None
 
 
 _forward_context = ForwardContext()
@@ -29,11 +36,15 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | dict[str, AttentionMetadata] | None,
+    query_start_loc: torch.Tensor | None,
+    attn_backend: AttentionBackend | None = None,
+    attn_metadata: list[Any] | None = None,
 ) -> Iterator[ForwardContext]:
+    if attn_metadata is not None and attn_backend is None:
+        raise ValueError("attn_metadata needs the attn_backend that built it, got None")
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    _forward_context = ForwardContext(query_start_loc, attn_backend, attn_metadata)
     try:
         yield _forward_context
     finally:

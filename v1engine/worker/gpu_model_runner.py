@@ -4,8 +4,9 @@ A step (`execute_model`):
 1. `RequestStates.update` applies the SchedulerOutput diffs to the request states and the
    persistent batch, so rows 0 .. num_reqs - 1 are exactly this step's requests (the contract is
    written out in `request_states.py`).
-2. `build_model_inputs`: flat input ids and positions, per-group slot mappings and block tables,
-   and the index of each sampling request's last token, built in numpy and copied to the device.
+2. `build_model_inputs`: flat input ids and positions, the index of each sampling request's
+   last token, and per KV cache group the attention metadata, which the attention backend (chosen
+   once, in `load_model`) builds from the group's slot mapping and block table.
 3. forward inside `set_forward_context`, logits only at those last tokens (every rank: the LM
    head gathers over the tensor-parallel group), then the driver alone samples.
 
@@ -21,22 +22,23 @@ import numpy as np
 import torch
 
 from v1engine.config import EngineConfig
-from v1engine.kv_cache_interface import (
-    AttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    SlidingWindowSpec,
-)
+from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
 from v1engine.model.forward_context import set_forward_context
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers
+from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.worker.input_batch import InputBatch
-from v1engine.worker.kv_cache import allocate_kv_caches, bind_kv_caches, unbind_kv_caches
-from v1engine.worker.model_inputs import build_model_inputs, dummy_attention_metadata
+from v1engine.worker.kv_cache import (
+    allocate_kv_caches,
+    bind_kv_caches,
+    kv_cache_group_specs,
+    unbind_kv_caches,
+)
+from v1engine.worker.model_inputs import ModelInputs, build_dummy_model_inputs, build_model_inputs
 from v1engine.worker.request_states import RequestStates
 from v1engine.worker.sampling_inputs import (
     build_sampling_metadata,
@@ -70,12 +72,13 @@ class GPUModelRunner:
         self.vocab_size: int = hf_config.vocab_size
         self.model: torch.nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
+        self.attn_backend: AttentionBackend | None = None
         self.weights_bytes = 0
         self.sampler = Sampler()
         # The request states and the persistent batch; built with the KV cache.
         self.states: RequestStates | None = None
-        # Per KV cache group, the attention layers that read its block table.
-        self.group_layer_names: list[list[str]] = []
+        # Per KV cache group, the spec its attention metadata is built for.
+        self.kv_cache_group_specs: list[AttentionSpec] = []
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- start-up -------------------------------------------------------------------------------
@@ -84,13 +87,15 @@ class GPUModelRunner:
         checkpoint_dir = prepare_checkpoint(self.config.model_config.model)
         self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
         self.attn_layers = get_attention_layers(self.model)
+        self.attn_backend = get_default_attention_backend(self.device.type)
         # parameters() yields a tied weight once.
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         info_once(
             logger,
-            "Loaded %s (%s) in %.2f s: %.3f GiB of weights per rank",
+            "Loaded %s (%s, %s attention) in %.2f s: %.3f GiB of weights per rank",
             type(self.model).__name__,
             self.dtype,
+            self.attn_backend.name,
             time.perf_counter() - start,
             self.weights_bytes / _GIB,
         )
@@ -98,14 +103,10 @@ class GPUModelRunner:
     def get_kv_cache_spec(self) -> dict[str, AttentionSpec]:
         """Layer name -> spec, with this rank's KV heads and the cache dtype."""
         block_size = self.config.cache_config.block_size
-        specs: dict[str, AttentionSpec] = {}
-        for name, layer in self.attn_layers.items():
-            args = (block_size, layer.num_kv_heads, layer.head_size, self.kv_cache_dtype)
-            if layer.sliding_window is None:
-                specs[name] = FullAttentionSpec(*args)
-            else:
-                specs[name] = SlidingWindowSpec(*args, sliding_window=layer.sliding_window)
-        return specs
+        return {
+            name: layer.get_kv_cache_spec(block_size, self.kv_cache_dtype)
+            for name, layer in self.attn_layers.items()
+        }
 
     def _profile_query_lens(self) -> list[int]:
         """`max_num_batched_tokens` spread evenly over up to `max_num_seqs` requests, none
@@ -123,12 +124,11 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def _dummy_run(self, query_lens: list[int]) -> None:
-        metadata, positions = dummy_attention_metadata(query_lens, self.device)
-        input_ids = torch.zeros_like(positions)
-        with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden_size]
-        last_token = metadata.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last_token])  # [num_reqs, vocab_size]
+        inputs = build_dummy_model_inputs(
+            query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
+        )
+        hidden = self._forward(inputs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_reqs, vocab]
         sampling = dummy_sampling_metadata(
             len(query_lens), self.vocab_size, max(query_lens), self.device
         )
@@ -137,9 +137,9 @@ class GPUModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         start = time.perf_counter()
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.device)
-        bind_kv_caches(self.attn_layers, self.kv_caches)
+        bind_kv_caches(self.attn_layers, self.kv_caches, kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
-        self.group_layer_names = [list(group.layer_names) for group in groups]
+        self.kv_cache_group_specs = kv_cache_group_specs(kv_cache_config)
         block_sizes = [group.kv_cache_spec.block_size for group in groups]
         input_batch = InputBatch(self.max_num_reqs, self.max_model_len, block_sizes)
         self.states = RequestStates(input_batch, generator_device=self.device)
@@ -166,8 +166,14 @@ class GPUModelRunner:
         unbind_kv_caches(self.attn_layers)
         self.kv_caches = {}
         self.states = None
+        self.kv_cache_group_specs = []
 
     # -- one step --------------------------------------------------------------------------------
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model over the step's tokens: [num_tokens, hidden_size]."""
+        with set_forward_context(inputs.query_start_loc, self.attn_backend, inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs one scheduled step. Returns: the sampled tokens on the driver, None elsewhere."""
@@ -185,9 +191,10 @@ class GPUModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not req_ids:
             return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
-        inputs = build_model_inputs(batch, query_lens, self.group_layer_names, self.device)
-        with set_forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden_size]
+        inputs = build_model_inputs(
+            batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
+        )
+        hidden = self._forward(inputs)
         if not inputs.sampling_rows:  # only partial prefill chunks
             return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
         # Every rank: the LM head all-gathers the vocabulary shards.

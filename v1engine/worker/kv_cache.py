@@ -1,5 +1,8 @@
 """Allocates the KV cache tensors a `KVCacheConfig` describes and binds them to the layers.
 
+Binding also tells each layer its KV cache group, whose entry of the step's per-group attention
+metadata it reads; `kv_cache_group_specs` gives the spec each group's metadata is built for.
+
 Each `KVCacheTensor` is one zero-filled byte buffer of `size` bytes. Every layer in its
 `shared_by` views the whole buffer as `[2, num_blocks, block_size, num_kv_heads, head_size]` of
 its cache dtype: index 0 is the key cache, 1 the value cache, each
@@ -18,8 +21,16 @@ from v1engine.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 from v1engine.model.layers.attention import Attention
+from v1engine.model.layers.attention_backend import KVCache
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+
+def _attention_spec(spec: KVCacheSpec, name: str) -> AttentionSpec:
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(
+            f"layer {name!r} has KV cache spec {spec!r}; the worker allocates attention caches "
+            "(FullAttentionSpec, SlidingWindowSpec) only"
+        )
+    return spec
 
 
 def layer_kv_cache_specs(kv_cache_config: KVCacheConfig) -> dict[str, AttentionSpec]:
@@ -32,12 +43,20 @@ def layer_kv_cache_specs(kv_cache_config: KVCacheConfig) -> dict[str, AttentionS
             spec = group_spec
             if isinstance(group_spec, UniformTypeKVCacheSpecs):
                 spec = group_spec.kv_cache_specs[name]
-            if not isinstance(spec, AttentionSpec):
-                raise ValueError(
-                    f"layer {name!r} has KV cache spec {spec!r}; the worker allocates "
-                    "attention caches (FullAttentionSpec, SlidingWindowSpec) only"
-                )
-            specs[name] = spec
+            specs[name] = _attention_spec(spec, name)
+    return specs
+
+
+def kv_cache_group_specs(kv_cache_config: KVCacheConfig) -> list[AttentionSpec]:
+    """Per KV cache group, the spec its attention metadata is built for. A uniform-type group's
+    layers share block size and window but not page size: its largest layer stands for it (the
+    torch backend bounds its gathers by that layer's bytes per token)."""
+    specs = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = max(spec.kv_cache_specs.values(), key=lambda s: s.page_size_bytes)
+        specs.append(_attention_spec(spec, f"group {len(specs)}"))
     return specs
 
 
@@ -82,8 +101,11 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device) -> 
     return caches
 
 
-def bind_kv_caches(layers: dict[str, Attention], caches: dict[str, KVCache]) -> None:
-    """Sets every attention layer's `kv_cache`.
+def bind_kv_caches(
+    layers: dict[str, Attention], caches: dict[str, KVCache], kv_cache_config: KVCacheConfig
+) -> None:
+    """Sets every attention layer's `kv_cache` (from `allocate_kv_caches(kv_cache_config)`) and
+    `kv_cache_group_index`.
 
     Raises:
         RuntimeError: a layer of the model has no cache, which would silently make it attend
@@ -95,10 +117,14 @@ def bind_kv_caches(layers: dict[str, Attention], caches: dict[str, KVCache]) -> 
             f"the KV cache config covers no cache for attention layer(s) {missing}; it must "
             "come from this model's get_kv_cache_spec"
         )
+    groups = kv_cache_config.kv_cache_groups
+    group_index = {name: index for index, group in enumerate(groups) for name in group.layer_names}
     for name, layer in layers.items():
         layer.kv_cache = caches[name]
+        layer.kv_cache_group_index = group_index[name]
 
 
 def unbind_kv_caches(layers: dict[str, Attention]) -> None:
     for layer in layers.values():
         layer.kv_cache = None
+        layer.kv_cache_group_index = None

@@ -4,18 +4,21 @@ Request r (batch row r) computes tokens `num_computed_tokens[r] .. + query_lens[
 token row. Flattened in row order, token i belongs to row `req_indices[i]` at `positions[i]`; a
 KV cache group g maps it to slot `block_tables[g][row, pos // block_size] * block_size +
 pos % block_size`. Only the slot mapping and block table differ between groups; query_start_loc
-and seq_lens are shared. A request samples iff this step reaches the end of its token row;
-otherwise it is a partial prefill chunk and its logits are never computed.
+and seq_lens are shared. Each group's `CommonAttentionMetadata` goes to the attention backend,
+which builds the metadata its layers read. A request samples iff this step reaches the end of its
+token row; otherwise it is a partial prefill chunk and its logits are never computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+from v1engine.kv_cache_interface import AttentionSpec, cdiv
+from v1engine.model.layers.attention_backend import AttentionBackend, CommonAttentionMetadata
 from v1engine.worker.input_batch import BlockTable, InputBatch
 
 
@@ -23,12 +26,36 @@ from v1engine.worker.input_batch import BlockTable, InputBatch
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    # One metadata for a single KV cache group, else one per layer name (None: no KV cache).
-    attn_metadata: AttentionMetadata | dict[str, AttentionMetadata] | None
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    # Per KV cache group, built by the attention backend; None: no KV cache (profiling).
+    attn_metadata: list[Any] | None
     # [num_sampling_reqs] int64: the flat index of each sampling request's last token.
     logits_indices: torch.Tensor
     # Batch rows that sample this step, in row order (rows of logits_indices).
     sampling_rows: list[int]
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where a step's flat tokens come from, on the host."""
+
+    query_start_loc: np.ndarray  # [num_reqs + 1] prefix sums of the query lengths
+    seq_lens: np.ndarray  # [num_reqs] tokens in the KV cache after the step
+    req_indices: np.ndarray  # [num_tokens] each token's batch row
+    positions: np.ndarray  # [num_tokens] each token's position in its request
+    max_query_len: int
+
+
+def step_layout(num_computed_tokens: np.ndarray, query_lens: np.ndarray) -> StepLayout:
+    """The layout of rows computing `query_lens[r]` tokens after `num_computed_tokens[r]`."""
+    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    req_indices = np.repeat(np.arange(len(query_lens)), query_lens)
+    offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], query_lens)
+    num_computed = num_computed_tokens.astype(np.int64)
+    positions = num_computed[req_indices] + offsets
+    seq_lens = num_computed + query_lens
+    return StepLayout(query_start_loc, seq_lens, req_indices, positions, int(query_lens.max()))
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,61 +63,47 @@ def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
-def query_layout(query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(query_start_loc [num_reqs + 1], req_indices [num_tokens], offsets [num_tokens]):
-    prefix sums of the query lengths, and each flat token's row and index within its query."""
-    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    req_indices = np.repeat(np.arange(len(query_lens)), query_lens)
-    offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], query_lens)
-    return query_start_loc, req_indices, offsets
-
-
-def _group_metadata(
-    table: BlockTable,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    shared: dict,
-    max_seq_len: int,
+def build_common_attn_metadata(
+    block_tables: list[BlockTable],
+    layout: StepLayout,
+    query_start_loc: torch.Tensor,
     device: torch.device,
-) -> AttentionMetadata:
-    num_reqs = shared["seq_lens"].shape[0]
-    # Only the blocks the longest request reaches; the rest of the row is never read.
-    width = max(1, -(-max_seq_len // table.block_size))
-    return AttentionMetadata(
-        slot_mapping=_to_device(table.slot_mapping(req_indices, positions), torch.int64, device),
-        block_table=_to_device(table.table[:num_reqs, :width], torch.int32, device),
-        max_seq_len=max_seq_len,
-        **shared,
-    )
+) -> list[CommonAttentionMetadata]:
+    """Per KV cache group: its slot mapping and block table, with the step's shared layout
+    (`query_start_loc` is the layout's, already on the device)."""
+    num_reqs = layout.seq_lens.shape[0]
+    seq_lens = _to_device(layout.seq_lens, torch.int32, device)
+    max_seq_len = int(layout.seq_lens.max())
+    per_group = []
+    for table in block_tables:
+        # Only the blocks the longest request reaches; the rest of the row is never read.
+        width = max(1, cdiv(max_seq_len, table.block_size))
+        slot_mapping = table.slot_mapping(layout.req_indices, layout.positions)
+        per_group.append(
+            CommonAttentionMetadata(
+                slot_mapping=_to_device(slot_mapping, torch.int64, device),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_table=_to_device(table.table[:num_reqs, :width], torch.int32, device),
+                max_query_len=layout.max_query_len,
+                max_seq_len=max_seq_len,
+            )
+        )
+    return per_group
 
 
-def _attention_metadata(
-    batch: InputBatch,
-    query_lens: np.ndarray,
-    query_start_loc: np.ndarray,
-    seq_lens: np.ndarray,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    group_layer_names: list[list[str]],
-    device: torch.device,
-) -> AttentionMetadata | dict[str, AttentionMetadata] | None:
-    """One metadata per KV cache group, keyed by layer name when there are several."""
-    shared = dict(
-        query_start_loc=_to_device(query_start_loc, torch.int32, device),
-        seq_lens=_to_device(seq_lens, torch.int32, device),
-        max_query_len=int(query_lens.max()),
-    )
-    max_seq_len = int(seq_lens.max())
-    per_group = [
-        _group_metadata(table, req_indices, positions, shared, max_seq_len, device)
-        for table in batch.block_tables
+def build_attn_metadata(
+    attn_backend: AttentionBackend,
+    kv_cache_group_specs: list[AttentionSpec],
+    per_group: list[CommonAttentionMetadata],
+) -> list[Any] | None:
+    """The backend's metadata for each group (None without groups: an attention-free model)."""
+    if not per_group:
+        return None
+    return [
+        attn_backend.build_metadata(common, spec)
+        for common, spec in zip(per_group, kv_cache_group_specs, strict=True)
     ]
-    if len(per_group) <= 1:
-        return per_group[0] if per_group else None  # None: an attention-free model
-    return {
-        name: metadata for names, metadata in zip(group_layer_names, per_group) for name in names
-    }
 
 
 def _check_known_tokens(batch: InputBatch, seq_lens: np.ndarray, num_tokens: np.ndarray) -> None:
@@ -106,62 +119,64 @@ def _check_known_tokens(batch: InputBatch, seq_lens: np.ndarray, num_tokens: np.
 def build_model_inputs(
     batch: InputBatch,
     query_lens: np.ndarray,
-    group_layer_names: list[list[str]],
+    attn_backend: AttentionBackend,
+    kv_cache_group_specs: list[AttentionSpec],
     device: torch.device,
 ) -> ModelInputs:
     """Inputs for the batch's rows (at least one), each computing `query_lens[row]` new tokens.
 
-    `group_layer_names[g]` are the attention layers that read KV cache group g.
+    `kv_cache_group_specs[g]` is the spec of KV cache group g (`batch.block_tables[g]`).
 
     Raises:
         RuntimeError: a request is scheduled past the end of its known tokens.
     """
     num_reqs = batch.num_reqs
-    num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-    seq_lens = num_computed + query_lens  # [num_reqs]
+    layout = step_layout(batch.num_computed_tokens[:num_reqs], query_lens)
     num_tokens = batch.num_tokens[:num_reqs]
-    _check_known_tokens(batch, seq_lens, num_tokens)
-    query_start_loc, req_indices, offsets = query_layout(query_lens)
-    positions = num_computed[req_indices] + offsets  # [num_tokens]
-    input_ids = batch.token_ids[req_indices, positions]  # [num_tokens]
-    sampling_rows = np.flatnonzero(seq_lens == num_tokens)
-    attn_metadata = _attention_metadata(
-        batch,
-        query_lens,
-        query_start_loc,
-        seq_lens,
-        req_indices,
-        positions,
-        group_layer_names,
-        device,
-    )
+    _check_known_tokens(batch, layout.seq_lens, num_tokens)
+    input_ids = batch.token_ids[layout.req_indices, layout.positions]  # [num_tokens]
+    sampling_rows = np.flatnonzero(layout.seq_lens == num_tokens)
+    logits_indices = layout.query_start_loc[1:][sampling_rows] - 1
+    query_start_loc = _to_device(layout.query_start_loc, torch.int32, device)
+    per_group = build_common_attn_metadata(batch.block_tables, layout, query_start_loc, device)
     return ModelInputs(
         input_ids=_to_device(input_ids, torch.int64, device),
-        positions=_to_device(positions, torch.int64, device),
-        attn_metadata=attn_metadata,
-        logits_indices=_to_device(query_start_loc[1:][sampling_rows] - 1, torch.int64, device),
+        positions=_to_device(layout.positions, torch.int64, device),
+        query_start_loc=query_start_loc,
+        attn_metadata=build_attn_metadata(attn_backend, kv_cache_group_specs, per_group),
+        logits_indices=_to_device(logits_indices, torch.int64, device),
         sampling_rows=sampling_rows.tolist(),
     )
 
 
-def dummy_attention_metadata(
-    query_lens: list[int], device: torch.device
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata for a profiling or warm-up batch of fresh sequences that writes no KV cache
-    (every slot is -1), and the positions [num_tokens] of its tokens.
-
-    Every block table entry is block 0 and each row has one entry per token, so a bound cache of
-    any block size is read in range and nothing in it changes.
-    """
+def build_dummy_model_inputs(
+    query_lens: list[int],
+    attn_backend: AttentionBackend,
+    kv_cache_group_specs: list[AttentionSpec],
+    device: torch.device,
+) -> ModelInputs:
+    """A profiling or warm-up batch of fresh sequences (token id 0) in which every request
+    samples. Its metadata (one per group; None without groups) writes no KV cache: every slot is
+    -1, every block table entry is block 0 and each row has one entry per token, so a bound
+    cache of any block size is read in range and nothing in it changes."""
     lens = np.asarray(query_lens, dtype=np.int64)
-    query_start_loc, _, offsets = query_layout(lens)
-    max_query_len = int(lens.max())
-    metadata = AttentionMetadata(
+    layout = step_layout(np.zeros_like(lens), lens)
+    query_start_loc = _to_device(layout.query_start_loc, torch.int32, device)
+    common = CommonAttentionMetadata(
         slot_mapping=torch.full((int(lens.sum()),), -1, dtype=torch.int64, device=device),
-        query_start_loc=_to_device(query_start_loc, torch.int32, device),
+        query_start_loc=query_start_loc,
         seq_lens=_to_device(lens, torch.int32, device),
-        block_table=torch.zeros(len(lens), max_query_len, dtype=torch.int32, device=device),
-        max_query_len=max_query_len,
-        max_seq_len=max_query_len,
+        block_table=torch.zeros(len(lens), layout.max_query_len, dtype=torch.int32, device=device),
+        max_query_len=layout.max_query_len,
+        max_seq_len=layout.max_query_len,
     )
-    return metadata, _to_device(offsets, torch.int64, device)
+    per_group = [common] * len(kv_cache_group_specs)
+    positions = _to_device(layout.positions, torch.int64, device)
+    return ModelInputs(
+        input_ids=torch.zeros_like(positions),
+        positions=positions,
+        query_start_loc=query_start_loc,
+        attn_metadata=build_attn_metadata(attn_backend, kv_cache_group_specs, per_group),
+        logits_indices=query_start_loc[1:].long() - 1,
+        sampling_rows=list(range(len(query_lens))),
+    )

@@ -1,38 +1,20 @@
 """The attention layer: writes new K/V into the paged cache, then attends over it.
 
-The worker binds `kv_cache` after it has sized and allocated the caches; until then (and when a
-forward runs without metadata, e.g. the profiling run) the layer attends over the new tokens only.
-The backend is chosen per device: the Triton kernels on CUDA when triton imports, the torch
-implementation otherwise; both take the same arguments.
+The worker binds `kv_cache` and `kv_cache_group_index` after it has sized and allocated the
+caches; each step the forward context brings the backend and one metadata per KV cache group,
+and the layer uses its group's. A forward without metadata (the profiling run, or a model run
+without a KV cache) attends over the new tokens only.
 """
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 from torch import nn
 
-from v1engine.logger import init_logger
+from v1engine.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from v1engine.model.forward_context import get_forward_context
-from v1engine.model.layers import attention_torch
-from v1engine.model.layers.attention_metadata import AttentionMetadata
-
-logger = init_logger(__name__)
-
-
-@functools.cache
-def get_attention_backend(device_type: str) -> ModuleType:
-    """Module with `write_kv_cache` and `paged_attention` for tensors on `device_type`."""
-    if device_type == "cuda":
-        try:
-            from v1engine.model.layers import triton_attention
-        except ImportError as e:
-            logger.warning("Triton attention unavailable (%s); using the torch backend", e)
-        else:
-            return triton_attention
-    return attention_torch
+from v1engine.model.layers.attention_backend import KVCache
+from v1engine.model.layers.torch_attention import causal_attention
 
 
 class Attention(nn.Module):
@@ -59,14 +41,16 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_name = layer_name
         self.sliding_window = sliding_window
-        # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_size].
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Set together by the worker's bind_kv_caches.
+        self.kv_cache: KVCache | None = None
+        self.kv_cache_group_index: int | None = None
 
-    def _metadata(self) -> AttentionMetadata | None:
-        metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, dict):
-            return metadata[self.layer_name]
-        return metadata
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> AttentionSpec:
+        """The cache this layer needs (this rank's KV heads) in blocks of `block_size` tokens."""
+        args = (block_size, self.num_kv_heads, self.head_size, dtype)
+        if self.sliding_window is None:
+            return FullAttentionSpec(*args)
+        return SlidingWindowSpec(*args, sliding_window=self.sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [num_tokens, num_heads * head_size], key/value [num_tokens, num_kv_heads *
@@ -75,19 +59,18 @@ class Attention(nn.Module):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        metadata = self._metadata()
-        if self.kv_cache is None or metadata is None:
-            query_start_loc = None if metadata is None else metadata.query_start_loc
-            out = attention_torch.causal_attention(
-                q, k, v, query_start_loc, self.scale, self.sliding_window
+        context = get_forward_context()
+        if context.attn_metadata is None:
+            out = causal_attention(
+                q, k, v, context.query_start_loc, self.scale, self.sliding_window
             )
             return out.view(num_tokens, -1)
-        backend = get_attention_backend(q.device.type)
-        key_cache, value_cache = self.kv_cache
-        backend.write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = backend.paged_attention(
-            q, key_cache, value_cache, metadata, self.scale, self.sliding_window
-        )
+        # The runner builds metadata only once every layer's cache is bound.
+        assert self.kv_cache is not None and self.kv_cache_group_index is not None, self
+        metadata = context.attn_metadata[self.kv_cache_group_index]
+        backend = context.attn_backend
+        backend.write_kv_cache(k, v, self.kv_cache, metadata)
+        out = backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window)
         return out.view(num_tokens, -1)
 
     def extra_repr(self) -> str:

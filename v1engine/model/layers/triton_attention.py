@@ -1,4 +1,4 @@
-"""Paged attention in Triton: the CUDA path, with the same contract as `attention_torch.py`.
+"""Paged attention kernels in Triton: the CUDA backend (`triton_attention_backend.py`).
 
 One kernel serves decode, prefill, chunked prefill and prefill over a cached prefix, mixed in one
 batch. A program owns one *query tile* (up to BLOCK_Q consecutive new tokens of one request) and
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata
 
 # A decode split below this many keys costs more in merging than it gains in parallelism.
 _MIN_KEYS_PER_SPLIT = 256
@@ -244,7 +244,7 @@ def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: CommonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
@@ -266,7 +266,7 @@ class _LaunchConfig:
 
 
 def _choose_launch_config(
-    query: torch.Tensor, key_cache: torch.Tensor, metadata: AttentionMetadata
+    query: torch.Tensor, key_cache: torch.Tensor, metadata: CommonAttentionMetadata
 ) -> _LaunchConfig:
     """Tile sizes that compile without register spills on sm_90 (checked with ptxas, not timed)."""
     group = query.shape[1] // key_cache.shape[2]
@@ -298,7 +298,7 @@ def _paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: CommonAttentionMetadata,
     scale: float,
     sliding_window: int | None,
     config: _LaunchConfig,

@@ -1,8 +1,8 @@
 """The torch backend's per-step plan: which blocks each request reads and which keys it sees.
 
-Every layer of a step attends with the same metadata, so everything derived from it alone (block
-ids to gather, visibility masks, the grouping of decodes) is built once, by the first layer, and
-cached on the metadata (`AttentionMetadata.backend_cache`); the layers only gather and multiply.
+Every layer of a KV cache group attends with the same metadata, so everything derived from it
+alone (block ids to gather, visibility masks, the grouping of decodes) is built once per step and
+group, in `TorchAttentionBackend.build_metadata`; the layers only gather and multiply.
 
 Decodes (one new token) are sorted by length and attended in small groups. Each group gathers its
 requests' blocks padded to its longest one, so sorting keeps the padding small, and a small group's
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
+from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec, cdiv
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata
 
 DECODE_GROUP_SIZE = 8
 # Upper bound on gathered K elements per decode group, so long sequences shrink the group.
@@ -50,29 +51,15 @@ class DecodeGroup:
 class StepPlan:
     prefills: list[PrefillPlan]
     decode_groups: list[DecodeGroup]
+    sliding_window: int | None  # the window its masks and skipped blocks were built for
 
 
-def get_step_plan(
-    metadata: AttentionMetadata, key_cache: torch.Tensor, sliding_window: int | None
-) -> StepPlan:
-    """The plan for this step and window, built on first use and then reused by every layer."""
-    block_size, num_kv_heads, head_size = key_cache.shape[1:]
-    cache_key = ("torch", block_size, sliding_window)
-    plan = metadata.backend_cache.get(cache_key)
-    if plan is None:
-        per_token = num_kv_heads * head_size
-        plan = _build_plan(metadata, block_size, per_token, sliding_window, key_cache.device)
-        metadata.backend_cache[cache_key] = plan
-    return plan
-
-
-def _build_plan(
-    metadata: AttentionMetadata,
-    block_size: int,
-    per_token: int,
-    sliding_window: int | None,
-    device: torch.device,
-) -> StepPlan:
+def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
+    """The plan of one step for the layers of one KV cache group (block size, window)."""
+    block_size = kv_cache_spec.block_size
+    sliding_window = None
+    if isinstance(kv_cache_spec, SlidingWindowSpec):
+        sliding_window = kv_cache_spec.sliding_window
     query_start_loc = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     prefills, decodes = [], []
@@ -86,21 +73,32 @@ def _build_plan(
             )
     # Longest first: each group's padding is bounded by its own longest request.
     decodes.sort(key=lambda r: seq_lens[r], reverse=True)
-    groups = []
+    groups = [
+        _decode_group(metadata, members, query_start_loc, block_size, sliding_window)
+        for members in _split_decodes(decodes, seq_lens, kv_cache_spec)
+    ]
+    return StepPlan(prefills, groups, sliding_window)
+
+
+def _split_decodes(
+    decodes: list[int], seq_lens: list[int], kv_cache_spec: AttentionSpec
+) -> list[list[int]]:
+    """Runs of the (sorted) decodes: up to DECODE_GROUP_SIZE each, fewer when the run's longest
+    request would gather more than MAX_GATHER_ELEMENTS K elements."""
+    block_size = kv_cache_spec.block_size
+    per_token = kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
+    runs: list[list[int]] = []
     i = 0
     while i < len(decodes):
-        longest_blocks = -(-seq_lens[decodes[i]] // block_size)
+        longest_blocks = cdiv(seq_lens[decodes[i]], block_size)
         fit = max(1, MAX_GATHER_ELEMENTS // (longest_blocks * block_size * per_token))
-        members = decodes[i : i + min(DECODE_GROUP_SIZE, fit)]
-        groups.append(
-            _decode_group(metadata, members, query_start_loc, block_size, sliding_window, device)
-        )
-        i += len(members)
-    return StepPlan(prefills, groups)
+        runs.append(decodes[i : i + min(DECODE_GROUP_SIZE, fit)])
+        i += len(runs[-1])
+    return runs
 
 
 def _prefill_plan(
-    metadata: AttentionMetadata,
+    metadata: CommonAttentionMetadata,
     r: int,
     start: int,
     end: int,
@@ -112,7 +110,7 @@ def _prefill_plan(
     # Keys older than the first query's window are invisible to every row: skip their blocks.
     first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
     first_block = first_key // block_size
-    last_block = -(-seq_len // block_size)
+    last_block = cdiv(seq_len, block_size)
     blocks = metadata.block_table[r, first_block:last_block].long()
     key_offset = first_block * block_size
     mask = None
@@ -122,23 +120,23 @@ def _prefill_plan(
 
 
 def _decode_group(
-    metadata: AttentionMetadata,
+    metadata: CommonAttentionMetadata,
     members: list[int],
     query_start_loc: list[int],
     block_size: int,
     sliding_window: int | None,
-    device: torch.device,
 ) -> DecodeGroup:
+    device = metadata.block_table.device
     member_index = torch.tensor(members, device=device)
-    seq_lens = metadata.seq_lens.to(device)[member_index].long()
-    num_blocks = -(-int(seq_lens.max()) // block_size)
+    seq_lens = metadata.seq_lens[member_index].long()
+    num_blocks = cdiv(int(seq_lens.max()), block_size)
     # Entries past a request's last block, or wholly before its window, may hold anything (a
     # sliding-window manager may have freed them): point them at block 0, whose keys are masked.
     block_start = torch.arange(num_blocks, device=device)[None, :] * block_size
     used = block_start < seq_lens[:, None]
     if sliding_window is not None:
         used &= block_start + block_size > seq_lens[:, None] - sliding_window
-    table = metadata.block_table.to(device)[member_index, :num_blocks].long()
+    table = metadata.block_table[member_index, :num_blocks].long()
     blocks = torch.where(used, table, 0).flatten()
 
     k_pos = torch.arange(num_blocks * block_size, device=device)[None, :]

@@ -1,8 +1,8 @@
-"""Paged attention in plain torch: the CPU path, and the reference the Triton kernels must match.
+"""Paged attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
-Both functions follow the contract in `attention_metadata.py`; what to gather and mask is planned
-once per step (`attention_torch_plan.py`). Requests with one new token (decode) are attended in
-small groups of similar length, one SDPA call each; every other request (prefill, chunked
+`TorchAttentionBackend.build_metadata` plans, once per step and KV cache group, what each request
+gathers and masks (`torch_attention_plan.py`). Requests with one new token (decode) are attended
+in small groups of similar length, one SDPA call each; every other request (prefill, chunked
 prefill, prefill over a cached prefix) gets one SDPA call over its own gathered blocks with a
 causal + sliding-window mask. There GQA never materializes repeated K/V: the query heads that
 share a KV head are folded into the query-row dimension. A fresh prompt without a window instead
@@ -13,16 +13,58 @@ them. `causal_attention` is the no-cache path used before caches exist (profilin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers.attention_metadata import AttentionMetadata
-from v1engine.model.layers.attention_torch_plan import (
+from v1engine.kv_cache_interface import AttentionSpec
+from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVCache
+from v1engine.model.layers.torch_attention_plan import (
     DecodeGroup,
     PrefillPlan,
-    get_step_plan,
+    StepPlan,
+    build_step_plan,
     visible,
 )
+
+
+@dataclass(frozen=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    plan: StepPlan
+
+
+class TorchAttentionBackend:
+    """The `AttentionBackend` for any device torch runs on; its metadata carries the step plan."""
+
+    name = "torch"
+
+    def build_metadata(
+        self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
+    ) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(common.slot_mapping, build_step_plan(common, kv_cache_spec))
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: TorchAttentionMetadata,
+    ) -> None:
+        write_kv_cache(key, value, *kv_cache, metadata.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        # The plan was built for the group's spec, which the worker derived from its layers.
+        assert sliding_window == metadata.plan.sliding_window, (sliding_window, metadata.plan)
+        return paged_attention(query, *kv_cache, metadata.plan, scale)
 
 
 def write_kv_cache(
@@ -52,16 +94,15 @@ def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    plan: StepPlan,
     scale: float,
-    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of every new token over its request's cached keys (new tokens included).
+    """Attention of every new token over its request's cached keys (new tokens included), with
+    the window the plan was built for.
 
     query: [num_tokens, num_heads, head_size]; returns out of the same shape. Rows past
     `query_start_loc[-1]` (padding) come back as zeros.
     """
-    plan = get_step_plan(metadata, key_cache, sliding_window)
     out = torch.zeros_like(query)
     for prefill in plan.prefills:
         out[prefill.start : prefill.end] = _prefill_attention(
