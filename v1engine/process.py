@@ -124,10 +124,8 @@ class ChildProcess:
             raise
         finally:
             writer.close()  # the child has its copy; EOF then means the child is gone
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        self.pid: int = self.proc.pid
+        self._exitcode: int | None = None  # kept once the process handle is closed
 
     @property
     def sentinel(self) -> int:
@@ -136,13 +134,14 @@ class ChildProcess:
 
     @property
     def exitcode(self) -> int | None:
-        return self.proc.exitcode
+        return self._exitcode if self._closed else self.proc.exitcode
 
     def exit_reason(self) -> str:
         """How the process ended, e.g. "exit code -9, killed by SIGKILL"; call once its
         sentinel fired."""
-        self.proc.join(_REAP_S)
-        return describe_exitcode(self.proc.exitcode)
+        if not self._closed:
+            self.proc.join(_REAP_S)
+        return describe_exitcode(self.exitcode)
 
     def wait_until_ready(self, timeout_s: float) -> Any:
         """This child's READY payload; see the module function."""
@@ -154,6 +153,7 @@ class ChildProcess:
 
     def _close(self) -> None:
         if not self._closed:
+            self._exitcode = self.proc.exitcode
             self._closed = True
             self._ready_conn.close()
             self.proc.close()

@@ -18,7 +18,6 @@ from typing import Any
 
 from v1engine.executor.message_queue import Handle, MessageQueue, make_ipc_dir
 from v1engine.executor.worker_proc import SHUTDOWN, WorkerProcArgs, worker_main
-from v1engine.logger import init_logger
 from v1engine.process import (
     HANDSHAKE_TIMEOUT_S,
     WORKER_STARTUP_TIMEOUT_S,
@@ -26,8 +25,6 @@ from v1engine.process import (
     stop_children,
     wait_until_ready,
 )
-
-logger = init_logger(__name__)
 
 
 class WorkerGroupBase:

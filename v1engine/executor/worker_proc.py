@@ -18,10 +18,8 @@ from v1engine.executor.abstract import build_worker, resolve_worker_cls
 from v1engine.executor.errors import RemoteFailure
 from v1engine.executor.message_queue import Handle, MessageQueue, QueueClosedError
 from v1engine.executor.rpc_call import RpcCall
-from v1engine.logger import init_logger, set_process_rank
+from v1engine.logger import set_process_rank
 from v1engine.process import HANDSHAKE_TIMEOUT_S, report_startup, watch_parent
-
-logger = init_logger(__name__)
 
 SHUTDOWN = "__v1engine_worker_shutdown__"
 
