@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.executor.rpc_worker import rank_times
+from tests.executor.rpc_worker import RPCTestWorker, rank_times
 from tests.process_utils import alive
 from v1engine.config import EngineConfig, ParallelConfig
 from v1engine.executor.abstract import Executor
@@ -52,6 +52,8 @@ def test_results_per_rank_and_unique_reply_rank(shared_executor):
 
 def test_module_level_function_runs_with_the_worker(shared_executor):
     assert shared_executor.collective_rpc(rank_times, args=(10,)) == [0, 10]
+    # A method given as Class.method travels by its import path, like a function.
+    assert shared_executor.collective_rpc(RPCTestWorker.echo, args=(5,)) == [5, 5]
 
 
 def test_local_function_is_rejected(shared_executor):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 
 import torch
 
@@ -24,6 +23,7 @@ from v1engine.model.parallel_state import (
     get_tp_world_size,
     init_distributed,
 )
+from v1engine.process import get_distributed_init_method
 
 WORLD_SIZE = 2
 TIMEOUT_S = 240
@@ -35,12 +35,6 @@ TP_CASES = {
     "qwen3": {},
     "mistral": {},
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp_worker(rank: int, init_method: str, paths: list[str], prompts, out_dir: str) -> None:
@@ -61,7 +55,7 @@ def _tp_worker(rank: int, init_method: str, paths: list[str], prompts, out_dir: 
 
 def _run_ranks(paths: list[str], prompts, out_dir: str) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = get_distributed_init_method()
     procs = [
         ctx.Process(target=_tp_worker, args=(rank, init_method, paths, prompts, out_dir))
         for rank in range(WORLD_SIZE)

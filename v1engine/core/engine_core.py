@@ -18,6 +18,7 @@ from v1engine.core.kv_cache_utils import get_kv_cache_capacity, get_kv_cache_con
 from v1engine.core.scheduler import Scheduler
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.executor.abstract import Executor
+from v1engine.executor.rpc_call import RpcCall
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.outputs import ModelRunnerOutput
@@ -137,7 +138,7 @@ class EngineCore:
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        return self.executor.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        return self.executor.run_rpc(RpcCall(method, args, kwargs, timeout, unique_reply_rank))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""

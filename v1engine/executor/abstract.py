@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
+
+from v1engine.executor.rpc_call import RpcCall
 
 if TYPE_CHECKING:
     from v1engine.config import EngineConfig
@@ -30,36 +31,26 @@ def resolve_worker_cls(qualname: str) -> type:
     return cls
 
 
-def check_rpc_method(worker_cls: type, method: str | Callable) -> str:
-    """Rejects a call the workers cannot run, before anything is broadcast.
-
-    Returns: the method's display name for errors and logs.
-    """
-    if callable(method):
-        qualname = getattr(method, "__qualname__", "")
-        if not getattr(method, "__module__", None) or "<" in qualname:
-            raise ValueError(
-                f"collective_rpc takes a module-level function (called as fn(worker, *args)); "
-                f"got {method!r}, which the worker processes cannot import"
-            )
-        return f"{method.__module__}.{qualname}"
-    if not isinstance(method, str):
-        raise TypeError(f"collective_rpc method must be a str or a function, got {type(method)}")
-    attr = getattr(worker_cls, method, None)
-    if method.startswith("_") or not callable(attr):
-        public = sorted(n for n in dir(worker_cls) if not n.startswith("_"))
-        raise ValueError(
-            f"unknown RPC method {method!r} for worker class {worker_cls.__qualname__}; "
-            f"public methods: {public}"
-        )
-    return method
-
-
-def check_unique_reply_rank(unique_reply_rank: int | None, world_size: int) -> None:
-    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
-        raise ValueError(
-            f"unique_reply_rank must be in [0, {world_size}) or None, got {unique_reply_rank}"
-        )
+def build_worker(
+    worker_cls: type, config: Any, rank: int, local_rank: int, distributed_init_method: str
+) -> Any:
+    """Builds `worker_cls` as DESIGN.md promises (keywords), then `init_device()` and
+    `load_model()`. On failure the worker's `shutdown()` runs first, so a process that goes on
+    (the uniprocess executor's) can build another."""
+    worker = worker_cls(
+        config=config,
+        local_rank=local_rank,
+        rank=rank,
+        distributed_init_method=distributed_init_method,
+        is_driver_worker=rank == 0,
+    )
+    try:
+        worker.init_device()
+        worker.load_model()
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker
 
 
 class Executor(ABC):
@@ -96,13 +87,13 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.world_size = config.parallel_config.world_size
         self.worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
         self._init_executor()
 
     @abstractmethod
     def _init_executor(self) -> None: ...
 
-    @abstractmethod
     def collective_rpc(
         self,
         method: str | Callable,
@@ -115,8 +106,8 @@ class Executor(ABC):
         """Runs `method` on every worker, in the same order on all of them.
 
         Args:
-            method: a public worker method name, or a module-level function run as
-                `fn(worker, *args, **kwargs)`.
+            method: a public worker method name, or an importable function (module-level, or
+                `Class.method`) run as `fn(worker, *args, **kwargs)`; see rpc_call.py.
             timeout: seconds to wait for all replies; None waits forever.
             unique_reply_rank: only this rank's result is returned (the others still report
                 errors).
@@ -127,11 +118,21 @@ class Executor(ABC):
             either with `non_block`.
 
         Raises:
-            ValueError: unknown method (nothing is broadcast).
+            ValueError: a method the workers cannot run (nothing is broadcast).
             WorkerError: a worker raised; names every failing rank with its traceback.
             TimeoutError: no reply within `timeout`; names the method and the silent ranks.
             WorkerDiedError: a worker process exited.
         """
+        return self.run_rpc(RpcCall(method, args, kwargs, timeout, unique_reply_rank), non_block)
+
+    def run_rpc(self, call: RpcCall, non_block: bool = False) -> Any:
+        """`collective_rpc` with the call already built (by EngineCore, or from the wire)."""
+        call.check(self.worker_cls, self.world_size)
+        return self._run_rpc(call, non_block)
+
+    @abstractmethod
+    def _run_rpc(self, call: RpcCall, non_block: bool) -> Any:
+        """Runs a checked call on every worker; returns as `collective_rpc` does."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -166,12 +167,3 @@ class Executor(ABC):
 
 def _initialize_from_configs(worker: Any, kv_cache_configs: list[Any]) -> None:
     worker.initialize_from_config(kv_cache_configs[worker.rank])
-
-
-def completed_future(result: Any = None, error: BaseException | None = None) -> Future:
-    future: Future = Future()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-    return future

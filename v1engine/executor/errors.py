@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import signal
+import traceback
 from dataclasses import dataclass
+
+# Re-exported for core/background_resources.py until it starts the engine core with process.py.
+from v1engine.process import describe_exitcode  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,11 @@ class RemoteFailure:
     exc_type: str
     message: str
     traceback: str
+
+    @classmethod
+    def from_exception(cls, rank: int, error: BaseException) -> RemoteFailure:
+        text = "".join(traceback.format_exception(error))
+        return cls(rank, type(error).__name__, str(error), text)
 
 
 class WorkerError(RuntimeError):
@@ -47,14 +55,3 @@ class WorkerDiedError(RuntimeError):
             f"worker rank {rank} died ({cause}){during}; "
             "the executor cannot be used any more: shut it down and start a new engine"
         )
-
-
-def describe_exitcode(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "still running"
-    if exitcode < 0:
-        try:
-            return f"exit code {exitcode}, killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"exit code {exitcode}"
-    return f"exit code {exitcode}"

@@ -2,27 +2,27 @@
 the same broadcast queue (worker_proc.py); only the process around it belongs to Ray.
 
 The driver calls, in order: `get_node_info()` (to place ranks by node), `start(args)` (build the
-worker, open the queues, return the reply queue's handle), then `serve()`, which runs until the
-engine sends SHUTDOWN; the driver keeps its ObjectRef and watches it to learn of the actor's death.
+worker, open the queues, return the reply queue's handle: the actor's READY), then `serve()`,
+which runs until the engine sends SHUTDOWN; the driver keeps its ObjectRef and watches it to learn
+of the actor's death.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
-from v1engine.executor.message_queue import Handle, MessageQueue
+from v1engine.executor.message_queue import Handle
 from v1engine.executor.worker_proc import (
+    StartedWorker,
     WorkerProcArgs,
-    build_worker,
-    make_response_queue,
     serve_until_shutdown,
+    start_worker,
 )
 from v1engine.logger import set_process_rank
+from v1engine.process import get_open_port
 from v1engine.worker.gpu_worker import LOCAL_WORLD_SIZE_ENV
 
 
@@ -40,20 +40,15 @@ class RayWorker:
     and readable without a cluster."""
 
     def __init__(self) -> None:
-        self._worker: Any = None
+        self._started: StartedWorker | None = None
         self._rank = -1
-        self._broadcast_mq: MessageQueue | None = None
-        self._response_mq: MessageQueue | None = None
 
     def get_node_info(self) -> NodeInfo:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            free_port = s.getsockname()[1]
         return NodeInfo(
             node_id=ray.get_runtime_context().get_node_id(),
             ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
-            free_port=free_port,
+            free_port=get_open_port(),
             gpu_ids=tuple(str(i) for i in ray.get_gpu_ids()),
         )
 
@@ -73,10 +68,8 @@ class RayWorker:
         if cuda_visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self._rank = args.rank
-        self._worker = build_worker(args)
-        self._response_mq = make_response_queue(args)
-        self._broadcast_mq = MessageQueue.create_from_handle(args.broadcast_handle, args.rank)
-        return self._response_mq.export_handle()
+        self._started = start_worker(args)
+        return self._started.response_mq.export_handle()
 
     def serve(self) -> None:
-        serve_until_shutdown(self._worker, self._rank, self._broadcast_mq, self._response_mq)
+        serve_until_shutdown(self._started, self._rank)

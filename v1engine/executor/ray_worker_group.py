@@ -1,11 +1,11 @@
 """RayWorkerGroup: one Ray actor per rank, reached through the same queues as WorkerGroup.
 
-The group offers WorkerGroup's surface (broadcast_mq, response_mqs, dead_worker, is_shut_down,
-start_monitor, shutdown), so MultiprocExecutor's call bookkeeping drives it unchanged. Calls never
-go through Ray: per step, a Ray actor call costs about a millisecond, our queues tens of
-microseconds (scripts/bench_rpc.py --backend ray). Ranks on the engine's node read the broadcast
-from shared memory and reply through it; ranks on other nodes use the queues' TCP leg, chosen by
-Ray node id, not host name, so two nodes on one host still talk over TCP.
+The group offers WorkerGroupBase's surface (broadcast_mq, response_mqs, dead_worker,
+is_shut_down, start_monitor, shutdown), so GroupExecutor's call bookkeeping drives it as it drives
+WorkerGroup. Calls never go through Ray: per step, a Ray actor call costs about a millisecond,
+our queues tens of microseconds (scripts/bench_rpc.py --backend ray). Ranks on the engine's node
+read the broadcast from shared memory and reply through it; ranks on other nodes use the queues'
+TCP leg, chosen by Ray node id, not host name, so two nodes on one host still talk over TCP.
 
 A monitor thread watches each actor's `serve()` ObjectRef: one that ends while the engine runs
 means the actor (or its node) died, and names the rank. `shutdown()` asks the workers to stop,
@@ -31,13 +31,17 @@ from v1engine.executor.ray_cluster import (
     reserve_placement_group,
 )
 from v1engine.executor.ray_worker import NodeInfo, RayWorker
-from v1engine.executor.worker_group import STARTUP_TIMEOUT_S, WorkerGroupBase
+from v1engine.executor.worker_group import WorkerGroupBase
 from v1engine.logger import init_logger
+from v1engine.process import (
+    GRACEFUL_STOP_S,
+    WORKER_STARTUP_TIMEOUT_S,
+    get_distributed_init_method,
+)
 
 logger = init_logger(__name__)
 
-_HANDSHAKE_TIMEOUT_S = 60.0
-_GRACEFUL_EXIT_S = 5.0
+# ray.kill returns at once; Ray takes a moment to see the actor gone and free its resources.
 _KILL_WAIT_S = 5.0
 _MONITOR_SLICE_S = 0.25  # only bounds how long the monitor takes to notice shutdown()
 
@@ -62,11 +66,8 @@ class RayWorkerGroup(WorkerGroupBase):
         self._placement_group = reserve_placement_group(world_size, use_gpu)
         self._place_actors(world_size, use_gpu)
         handles = self._start_workers(config, world_size)
-        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
         self._serve_refs = [actor.serve.remote() for actor in self.actors]
-        self.broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
-        for mq in self.response_mqs:
-            mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
+        self._attach_response_queues(handles)
 
     def _place_actors(self, world_size: int, use_gpu: bool) -> None:
         """One actor per bundle; then self.actors and self.node_infos in rank order."""
@@ -83,7 +84,7 @@ class RayWorkerGroup(WorkerGroupBase):
         ]
         try:
             refs = [actor.get_node_info.remote() for actor in self.actors]
-            infos = ray.get(refs, timeout=STARTUP_TIMEOUT_S)
+            infos = ray.get(refs, timeout=WORKER_STARTUP_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(
                 f"a Ray actor for the workers could not start ({describe_actor_death(e)}); "
@@ -111,7 +112,9 @@ class RayWorkerGroup(WorkerGroupBase):
             remote_host=ray.util.get_node_ip_address(),
         )
         # Rank 0 hosts torch.distributed's store: on the driver's node whenever it has a rank.
-        init_method = f"tcp://{self.node_infos[0].ip}:{self.node_infos[0].free_port}"
+        init_method = get_distributed_init_method(
+            self.node_infos[0].ip, self.node_infos[0].free_port
+        )
         visible = cuda_visible_devices(self.node_infos)
         per_node = Counter(info.node_id for info in self.node_infos)
         refs = []
@@ -127,12 +130,12 @@ class RayWorkerGroup(WorkerGroupBase):
         its traceback, so a broken worker never hangs the engine."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         handles: dict[int, Handle] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + WORKER_STARTUP_TIMEOUT_S
         while len(handles) < len(refs):
             pending = [ref for ref, rank in rank_of.items() if rank not in handles]
             ready, _ = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise RuntimeError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"workers did not start within {WORKER_STARTUP_TIMEOUT_S:.0f} s")
             rank = rank_of[ready[0]]
             try:
                 handles[rank] = ray.get(ready[0])
@@ -160,7 +163,7 @@ class RayWorkerGroup(WorkerGroupBase):
             return  # Ray already shut down (at interpreter exit): it ended the actors itself
         if self._ask_workers_to_stop():
             # Lets each worker run its shutdown() (leave the process group, free memory).
-            ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=_GRACEFUL_EXIT_S)
+            ray.wait(self._serve_refs, num_returns=len(self._serve_refs), timeout=GRACEFUL_STOP_S)
         for actor in self.actors:
             ray.kill(actor)
         if self._serve_refs:  # their ends confirm the kills: Ray has seen each actor die

@@ -163,9 +163,6 @@ class ShmRingBuffer:
     def read_seq(self) -> int:
         return self._read_seq.value
 
-    def bump_write_seq(self) -> None:
-        self._write_seq.value += 1
-
     # -- sleeping flags (writer: reader = -1) ---------------------------------------------------
     def set_sleeping(self, reader: int, sleeping: bool) -> None:
         at = _WRITER_SLEEPING if reader < 0 else _READERS_SLEEPING + reader

@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
-from v1engine.executor.errors import describe_exitcode
 from v1engine.executor.message_queue import Handle, MessageQueue, make_ipc_dir
-from v1engine.executor.worker_proc import FAILED, SHUTDOWN, WorkerProcArgs, worker_main
-from v1engine.logger import init_logger
-
-logger = init_logger(__name__)
-
-STARTUP_TIMEOUT_S = 600.0  # loading a large model can take minutes; failures end it sooner
-_HANDSHAKE_TIMEOUT_S = 60.0
-_GRACEFUL_EXIT_S = 5.0
-_TERMINATE_EXIT_S = 2.0
+from v1engine.executor.worker_proc import SHUTDOWN, WorkerProcArgs, worker_main
+from v1engine.process import (
+    HANDSHAKE_TIMEOUT_S,
+    WORKER_STARTUP_TIMEOUT_S,
+    ChildProcess,
+    stop_children,
+    wait_until_ready,
+)
 
 
 class WorkerGroupBase:
-    """The surface MultiprocExecutor drives: broadcast_mq, response_mqs, dead_worker,
+    """The surface GroupExecutor drives: broadcast_mq, response_mqs, dead_worker,
     is_shut_down, start_monitor(on_death), shutdown(). A subclass starts the workers, and says
     how to wait for one to die (`_wait_for_death`) and how to end them (`_stop_workers`).
     """
@@ -92,14 +89,24 @@ class WorkerGroupBase:
         self._release()
 
     def _ask_workers_to_stop(self) -> bool:
-        """Broadcasts SHUTDOWN to running workers. Returns: False when they cannot hear it."""
-        if self.dead_worker is not None or not self.response_mqs:
-            return False
+        """Broadcasts SHUTDOWN. Returns: whether the workers will leave by themselves (False
+        while they are still starting, or when the queue is wedged)."""
+        if not self.response_mqs:
+            return False  # start-up failed: some workers are not reading the queue yet
+        if self.dead_worker is not None:
+            return True  # the monitor closed the queues: the others leave their serve loops
         try:
             self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
-        except Exception:  # a wedged or dead worker: the caller ends it by force
+        except Exception:  # a wedged worker: the caller ends it by force
             return False
         return True
+
+    def _attach_response_queues(self, handles: list[Handle]) -> None:
+        """Reads each rank's replies, then passes every queue's ready barrier with the workers."""
+        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
+        self.broadcast_mq.wait_until_ready(timeout=HANDSHAKE_TIMEOUT_S)
+        for mq in self.response_mqs:
+            mq.wait_until_ready(timeout=HANDSHAKE_TIMEOUT_S)
 
     def _worker_args(
         self,
@@ -130,7 +137,7 @@ class WorkerGroup(WorkerGroupBase):
 
     def __init__(self, config: Any, world_size: int, distributed_init_method: str) -> None:
         super().__init__()
-        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._procs: list[ChildProcess] = []
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
         self.broadcast_mq = MessageQueue(world_size, ipc_dir=self.ipc_dir)
         try:
@@ -140,55 +147,19 @@ class WorkerGroup(WorkerGroupBase):
             raise
 
     def _start(self, config: Any, world_size: int, distributed_init_method: str) -> None:
-        context = multiprocessing.get_context("spawn")
-        ready_conns = []
         for rank in range(world_size):
             args = self._worker_args(config, rank, rank, distributed_init_method)
-            reader, writer = context.Pipe(duplex=False)
-            proc = context.Process(
-                target=worker_main, args=(args, writer), name=f"V1EngineWorker-{rank}", daemon=True
+            self._procs.append(
+                ChildProcess(
+                    worker_main,
+                    (args,),
+                    name=f"V1EngineWorker-{rank}",
+                    label=f"worker rank {rank}",
+                    daemon=True,
+                )
             )
-            proc.start()
-            writer.close()
-            self._procs.append(proc)
-            ready_conns.append(reader)
-        handles = self._wait_for_ready(ready_conns)
-        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
-        self.broadcast_mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
-        for mq in self.response_mqs:
-            mq.wait_until_ready(timeout=_HANDSHAKE_TIMEOUT_S)
-
-    def _wait_for_ready(self, conns: list[Connection]) -> list[Handle]:
-        """Collects READY from every rank. A rank that reports FAILED or dies ends the wait
-        at once with its traceback, so a broken worker never hangs the engine.
-        """
-        handles: dict[int, Handle] = {}
-        rank_of = {conn: rank for rank, conn in enumerate(conns)}
-        rank_of.update({proc.sentinel: rank for rank, proc in enumerate(self._procs)})
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(handles) < len(conns):
-            left = deadline - time.monotonic()
-            ready = wait([c for c in conns if rank_of[c] not in handles] + self._sentinels(), left)
-            if not ready:
-                raise RuntimeError(f"workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
-            for obj in ready:
-                rank = rank_of[obj]
-                if isinstance(obj, Connection) and obj.poll():
-                    status, payload = obj.recv()
-                    if status == FAILED:
-                        raise RuntimeError(f"worker rank {rank} failed to start:\n{payload}")
-                    handles[rank] = payload
-                elif not isinstance(obj, Connection):
-                    code = self._procs[rank].exitcode
-                    raise RuntimeError(
-                        f"worker rank {rank} died during start-up ({describe_exitcode(code)})"
-                    )
-        for conn in conns:
-            conn.close()
-        return [handles[rank] for rank in range(len(conns))]
-
-    def _sentinels(self) -> list[int]:
-        return [p.sentinel for p in self._procs if p.exitcode is None]
+        # A rank that fails or dies ends the wait at once with its traceback or exit code.
+        self._attach_response_queues(wait_until_ready(self._procs, WORKER_STARTUP_TIMEOUT_S))
 
     # -- monitoring and shut-down ------------------------------------------------------------
     def _wait_for_death(self) -> tuple[int, str] | None:
@@ -197,34 +168,14 @@ class WorkerGroup(WorkerGroupBase):
         if self._stop_r in ready:
             return None
         rank = next(sentinels[s] for s in ready if s in sentinels)
-        self._procs[rank].join(1.0)  # reap it, so its exit code is known
-        return rank, describe_exitcode(self._procs[rank].exitcode)
+        return rank, self._procs[rank].exit_reason()
 
     def _wake_monitor(self) -> None:
         self._stop_w.send(None)
 
     def _stop_workers(self) -> None:
-        """Graceful stop, then SIGTERM, then SIGKILL."""
-        self._ask_workers_to_stop()
-        self._stop_processes()
+        stop_children(self._procs, self._ask_workers_to_stop)
 
     def _release(self) -> None:
         self._stop_r.close()
         self._stop_w.close()
-
-    def _stop_processes(self) -> None:
-        deadline = time.monotonic() + _GRACEFUL_EXIT_S
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.exitcode is None:
-                proc.terminate()
-        deadline = time.monotonic() + _TERMINATE_EXIT_S
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.exitcode is None:
-                logger.warning("worker pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                proc.join()
-            proc.close()
