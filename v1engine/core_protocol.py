@@ -6,7 +6,8 @@ never pickle, so a process that can write to the socket cannot make the other ru
 Client -> core, on the input socket (client PUSH binds, core PULL connects):
     ADD       EngineCoreRequest; the client validated it already (`validate_request`)
     ABORT     list[str]: request ids; no output follows but what was already sent
-    UTILITY   UtilityCall(call_id, method, kwargs): "collective_rpc" or "reset_prefix_cache"
+    UTILITY   UtilityCall(call_id, method, kwargs): "collective_rpc" (kwargs: `RpcCall.to_wire()`,
+              see executor/rpc_call.py) or "reset_prefix_cache"
     SHUTDOWN  empty: stop the workers and exit 0
 
 Core -> client, on the output socket (client PULL binds, core PUSH connects):
@@ -16,8 +17,8 @@ Core -> client, on the output socket (client PULL binds, core PUSH connects):
                     through; the client finishes that request with finish_reason "abort"
     ENGINE_DEAD     str: why the core stopped (a worker died, the loop crashed); it then exits 1
 
-Start-up goes over a one-way pipe, also msgpack: `[READY, EngineCoreInfo]` once the engine is
-built, or `[FAILED, exception type name, traceback]`. `EngineCoreInfo` is everything a front end
+Start-up goes over process.py's one-way pipe: READY carries an `EngineCoreInfo` once the engine is
+built, FAILED the exception and its traceback. `EngineCoreInfo` is everything a front end
 needs from the engine (the KV cache's size for its start-up line, the limits requests are checked
 against), so no front end ever calls into the workers.
 
@@ -31,15 +32,11 @@ Both processes import this module, so it is a leaf: the core package never impor
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from v1engine.executor.errors import RemoteFailure, WorkerError
-
-READY = "READY"
-FAILED = "FAILED"
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -128,34 +125,3 @@ def make_error(result: UtilityResult) -> Exception:
     if error_cls is not None:
         return error_cls(result.error_message)
     return RuntimeError(f"{result.error_type}: {result.error_message}")
-
-
-def collective_rpc_kwargs(
-    method: str | Callable,
-    args: tuple,
-    kwargs: dict[str, Any] | None,
-    timeout: float | None,
-    unique_reply_rank: int | None,
-) -> dict[str, Any]:
-    """The UTILITY kwargs of a collective_rpc. A function travels as `module:qualname`, which
-    the core imports: code never crosses the socket.
-    """
-    is_function = callable(method)
-    return {
-        "method": _function_path(method) if is_function else method,
-        "is_function": is_function,
-        "args": list(args),
-        "kwargs": kwargs or {},
-        "timeout": timeout,
-        "unique_reply_rank": unique_reply_rank,
-    }
-
-
-def _function_path(function: Callable) -> str:
-    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
-    if not module or "." in qualname or "<" in qualname:
-        raise ValueError(
-            "collective_rpc takes a worker method name or a module-level function (called as "
-            f"fn(worker, *args)); got {function!r}, which the engine core cannot import"
-        )
-    return f"{module}:{qualname}"

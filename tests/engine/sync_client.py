@@ -18,6 +18,7 @@ import zmq
 from v1engine.config import EngineConfig
 from v1engine.engine.core_client import SEND_RETRY_S, SEND_RETRY_SLICE_S, MPClient
 from v1engine.engine.core_process import DEAD, CoreProcess, EngineDeadError, OutputHandler
+from v1engine.executor.rpc_call import RpcCall
 from v1engine.request import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -67,7 +68,8 @@ class SyncMPClient(MPClient):
         unique_reply_rank: int | None = None,
     ) -> Any:
         """As `Executor.collective_rpc`; arguments and results must be msgpack-able."""
-        return self._call(*self._rpc_frames(method, args, kwargs, timeout, unique_reply_rank))
+        call = RpcCall(method, args, kwargs, timeout, unique_reply_rank)
+        return self._call(*self._rpc_frames(call))
 
     def reset_prefix_cache(self) -> bool:
         return self._call(*self._utility_frames("reset_prefix_cache"))
@@ -87,8 +89,8 @@ class SyncMPClient(MPClient):
 
 def read_outputs_until_exit(handler: OutputHandler, resources: CoreProcess) -> None:
     """The sync client's output thread: reads until the core exits or the client closes."""
-    assert resources.proc is not None
-    socket, sentinel = resources.output_socket, resources.proc.sentinel
+    assert resources.child is not None
+    socket, sentinel = resources.output_socket, resources.child.sentinel
     poller = zmq.Poller()
     for watched in (socket, sentinel, resources.wake_r):
         poller.register(watched, zmq.POLLIN)

@@ -17,19 +17,15 @@ watching the client's sentinel stops the workers and exits when the client dies,
 
 from __future__ import annotations
 
-import contextlib
 import glob
-import importlib
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import traceback
-from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -38,26 +34,24 @@ import zmq
 from v1engine.config import EngineConfig
 from v1engine.core.engine_core import EngineCore
 from v1engine.core_protocol import (
-    FAILED,
-    READY,
     EngineCoreOutputType,
     EngineCoreRequestType,
     RequestError,
     UtilityCall,
     UtilityResult,
     encode,
-    encoder,
     error_result,
 )
 from v1engine.executor.errors import WorkerDiedError
 from v1engine.executor.message_queue import IPC_DIR_PREFIX, MessageQueue
+from v1engine.executor.rpc_call import RpcCall
 from v1engine.logger import init_logger
+from v1engine.process import install_sigterm_handler, report_startup, watch_parent
 from v1engine.request import EngineCoreRequest
 
 logger = init_logger(__name__)
 
 _HEALTH_CHECK_TIMEOUT_S = 5.0
-_PARENT_DEATH_EXIT_S = 5.0  # after the client died, exit by then even if shutdown hangs
 _OUTPUT_LINGER_MS = 1000  # lets ENGINE_DEAD reach the client before the process exits
 
 
@@ -78,8 +72,7 @@ class EngineCoreProc:
         self.engine_core: EngineCore | None = None
         self._should_stop = False
         self._parent_died = False
-        self._client_watch: threading.Thread | None = None
-        self._watch_parent()
+        self._client_watch = watch_parent(self._on_client_death)
         self.ctx = zmq.Context(io_threads=1)
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
@@ -208,11 +201,7 @@ class EngineCoreProc:
         if call.method == "reset_prefix_cache":
             return self.engine_core.reset_prefix_cache()
         if call.method == "collective_rpc":
-            kwargs = dict(call.kwargs)
-            if kwargs.pop("is_function", False):
-                kwargs["method"] = _resolve_function(kwargs["method"])
-            kwargs["args"] = tuple(kwargs.get("args", ()))
-            return self.engine_core.collective_rpc(**kwargs)
+            return self.engine_core.executor.run_rpc(RpcCall.from_wire(call.kwargs))
         raise ValueError(
             f"unknown utility method {call.method!r}; the engine core serves "
             "'collective_rpc' and 'reset_prefix_cache'"
@@ -245,34 +234,15 @@ class EngineCoreProc:
         self.ctx.term()
 
     # -- the client's death ----------------------------------------------------------------------
-    def _watch_parent(self) -> None:
-        parent = multiprocessing.parent_process()
-        if parent is None:
-            return
-        self._client_watch = threading.Thread(
-            target=self._on_parent_death,
-            args=(parent.sentinel,),
-            name="v1engine-client-watch",
-            daemon=True,
-        )
-        self._client_watch.start()
-
-    def _on_parent_death(self, sentinel: int) -> None:
-        wait([sentinel])
+    def _on_client_death(self) -> None:
+        """Runs on process.py's parent watch, which then ends this process."""
         self._parent_died = True
         logger.warning("the client process died; stopping the engine core and its workers")
-        # Whatever the main thread is doing, this process ends within the deadline.
-        timer = threading.Timer(_PARENT_DEATH_EXIT_S, os._exit, args=(1,))
-        timer.daemon = True
-        timer.start()
         try:
             if self.engine_core is not None:
                 self.engine_core.shutdown()
-        except Exception:
-            logger.exception("shutting down after the client died")
         finally:
             _remove_leftovers(self.client_ipc_dir)
-            os._exit(1)
 
 
 def _remove_leftovers(client_ipc_dir: str) -> None:
@@ -283,19 +253,6 @@ def _remove_leftovers(client_ipc_dir: str) -> None:
     pattern = os.path.join(tempfile.gettempdir(), f"{IPC_DIR_PREFIX}{os.getpid()}-*")
     for ipc_dir in glob.glob(pattern):
         MessageQueue.remove_all(ipc_dir)
-
-
-def _resolve_function(path: str) -> Callable:
-    """`module:qualname` -> the module-level function a client passed to collective_rpc."""
-    module_name, _, name = path.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"collective_rpc function {path!r} cannot be imported in the engine core process "
-            f"({e}); pass a module-level function importable from sys.path"
-        ) from e
-    return function
 
 
 def _describe(call: UtilityCall) -> str:
@@ -313,10 +270,6 @@ def _request_id_of(payload: memoryview) -> str:
         return ""
 
 
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_engine_core(
     config: EngineConfig,
     input_address: str,
@@ -324,20 +277,13 @@ def run_engine_core(
     client_ipc_dir: str,
     ready_conn: Connection,
 ) -> None:
-    """Entry point of the spawned engine core process."""
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    """Entry point of the spawned engine core process (see process.py for the handshake)."""
+    install_sigterm_handler()
     # Ctrl-C reaches the whole process group; the client decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc = EngineCoreProc(config, input_address, output_address, client_ipc_dir)
-    except BaseException as e:
-        with contextlib.suppress(OSError):  # the client stopped waiting (Ctrl-C, SIGTERM)
-            ready_conn.send_bytes(
-                encoder.encode([FAILED, type(e).__name__, traceback.format_exc()])
-            )
-        ready_conn.close()
-        sys.exit(1)
-    assert proc.engine_core is not None
-    ready_conn.send_bytes(encoder.encode([READY, proc.engine_core.info]))
-    ready_conn.close()
+    proc = report_startup(
+        ready_conn,
+        lambda: EngineCoreProc(config, input_address, output_address, client_ipc_dir),
+        lambda built: built.engine_core.info,
+    )
     sys.exit(proc.run())

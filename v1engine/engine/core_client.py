@@ -34,7 +34,6 @@ from v1engine.core_protocol import (
     EngineCoreInfo,
     EngineCoreRequestType,
     UtilityCall,
-    collective_rpc_kwargs,
     encode,
 )
 from v1engine.engine.core_process import (
@@ -45,6 +44,7 @@ from v1engine.engine.core_process import (
     read_outputs_in_loop,
 )
 from v1engine.executor.errors import WorkerDiedError
+from v1engine.executor.rpc_call import RpcCall
 from v1engine.request import EngineCoreOutputs, EngineCoreRequest, validate_request
 
 __all__ = ["AsyncMPClient", "EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient"]
@@ -158,7 +158,7 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.resources.close)
         try:
             self.info = self.resources.start(config)
-            self.core_pid: int = self.resources.proc.pid  # kept: the process object is closed later
+            self.core_pid: int = self.resources.child.pid
         except BaseException:
             self._finalizer()
             raise
@@ -212,9 +212,8 @@ class MPClient(EngineCoreClient):
                 f"lists, dicts, msgspec Structs, dataclasses) to reach the engine core: {e}"
             ) from e
 
-    def _rpc_frames(self, method, args, kwargs, timeout, unique_reply_rank):
-        rpc_kwargs = collective_rpc_kwargs(method, args, kwargs, timeout, unique_reply_rank)
-        return self._utility_frames("collective_rpc", **rpc_kwargs)
+    def _rpc_frames(self, call: RpcCall) -> tuple[int, list[bytes]]:
+        return self._utility_frames("collective_rpc", **call.to_wire())
 
     def _try_send(self, frames: list[bytes]) -> bool:
         """Sends without blocking; False when the core is not connected to read it."""
@@ -276,7 +275,8 @@ class AsyncMPClient(MPClient):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        return await self._call(*self._rpc_frames(method, args, kwargs, timeout, unique_reply_rank))
+        call = RpcCall(method, args, kwargs, timeout, unique_reply_rank)
+        return await self._call(*self._rpc_frames(call))
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call(*self._utility_frames("reset_prefix_cache"))

@@ -5,21 +5,19 @@ named after this process, see make_ipc_dir, and the pipe that wakes the output r
 the waiting call, ENGINE_DEAD or the process's exit to every waiting and later call) and keeps the
 ids of the requests in flight. The wire format is core_protocol.py's.
 
-`CoreProcess.close()` stops the core (SHUTDOWN, then SIGTERM, then SIGKILL), closes the sockets and
-removes the directory; it is idempotent and holds no reference to the client, so a finalizer can
-run it at collection or interpreter exit.
+`CoreProcess.close()` stops the core (SHUTDOWN, then SIGTERM, then SIGKILL, with process.py's
+timeouts), closes the sockets and removes the directory; it is idempotent and holds no reference
+to the client, so a finalizer can run it at collection or interpreter exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import multiprocessing
 import os
 import shutil
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import msgspec
@@ -28,7 +26,6 @@ import zmq
 from v1engine.config import EngineConfig
 from v1engine.core.core_proc import run_engine_core
 from v1engine.core_protocol import (
-    READY,
     EngineCoreInfo,
     EngineCoreOutputType,
     EngineCoreRequestType,
@@ -37,17 +34,14 @@ from v1engine.core_protocol import (
     encode,
     make_error,
 )
-from v1engine.executor.errors import describe_exitcode
 from v1engine.executor.message_queue import make_ipc_dir
 from v1engine.logger import init_logger
+from v1engine.process import ENGINE_CORE_STARTUP_TIMEOUT_S, ChildProcess, ChildStartupError
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 logger = init_logger(__name__)
 
-# Building the engine loads weights and profiles memory; a failure ends the wait at once.
-STARTUP_TIMEOUT_S = 900.0
-_GRACEFUL_EXIT_S = 5.0
-_TERMINATE_EXIT_S = 10.0  # SIGTERM makes the core stop its workers, which may take seconds
+# Joins the sync test client's output thread at close (it wakes at once through the pipe).
 _READER_JOIN_S = 5.0
 
 
@@ -55,7 +49,7 @@ class CoreProcess:
     def __init__(self) -> None:
         self.closed = False
         self.ready = False
-        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.child: ChildProcess | None = None
         self.reader_thread: threading.Thread | None = None
         # Run first by close(): the asyncio client stops watching the sockets' descriptors here.
         self.on_close: list[Callable[[], None]] = []
@@ -81,31 +75,23 @@ class CoreProcess:
             ValueError / RuntimeError: the engine could not be built; the message carries the
                 core's traceback (and a failing worker's). The core process has exited.
         """
-        context = multiprocessing.get_context("spawn")
-        reader, writer = context.Pipe(duplex=False)
-        args = (config, self.input_address, self.output_address, self.ipc_dir, writer)
+        args = (config, self.input_address, self.output_address, self.ipc_dir)
         # Not a daemon: daemonic processes may not have children, and the workers are its.
-        proc = context.Process(target=run_engine_core, args=args, name="V1EngineCore")
+        self.child = ChildProcess(
+            run_engine_core, args, name="V1EngineCore", label="the engine core", daemon=False
+        )
         try:
-            try:
-                proc.start()
-            finally:
-                writer.close()  # the child has its copy; EOF then means it exited
-            self.proc = proc  # only a started process is ours to stop
-            info = _wait_for_ready(proc, reader)
-            self.ready = True
-            return info
-        finally:
-            reader.close()
+            info = self.child.wait_until_ready(ENGINE_CORE_STARTUP_TIMEOUT_S)
+        except ChildStartupError as e:
+            # A bad configuration stays a ValueError for the caller, as if built in-process.
+            raise (ValueError if e.exc_type == "ValueError" else RuntimeError)(str(e)) from None
+        self.ready = True
+        return info
 
     @property
     def core_exit_reason(self) -> str:
-        assert self.proc is not None
-        self.proc.join(1.0)  # the sentinel fired; reap it so the exit code is known
-        return (
-            f"the engine core process (pid {self.proc.pid}) died "
-            f"({describe_exitcode(self.proc.exitcode)})"
-        )
+        assert self.child is not None
+        return f"the engine core process (pid {self.child.pid}) died ({self.child.exit_reason()})"
 
     def close(self) -> None:
         """Stops the core process and removes every resource; idempotent."""
@@ -118,8 +104,10 @@ class CoreProcess:
         reader = self.reader_thread
         if reader is not None and reader is not threading.current_thread():
             reader.join(_READER_JOIN_S)
-        if self.proc is not None:
-            self._stop_process(self.proc)
+        if self.child is not None:
+            # A core still starting (Ctrl-C during start-up) reads no messages: SIGTERM at once.
+            # Its workers see it die and exit on their own, removing their shared memory.
+            self.child.stop(lambda: self.ready and self._send_shutdown())
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
         self.ctx.term()
@@ -127,55 +115,19 @@ class CoreProcess:
         os.close(self.wake_w)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
-    def _stop_process(self, proc: multiprocessing.process.BaseProcess) -> None:
-        # A core still starting (Ctrl-C during start-up) reads no messages yet: SIGTERM at once.
-        if self.ready and proc.exitcode is None:
-            self._send_shutdown()
-            proc.join(_GRACEFUL_EXIT_S)
-        if proc.exitcode is None:
-            if self.ready:
-                logger.warning("engine core pid %d did not stop; terminating it", proc.pid)
-            proc.terminate()
-            proc.join(_TERMINATE_EXIT_S)
-        if proc.exitcode is None:
-            # Its workers see it die and exit on their own, removing their shared memory.
-            logger.warning("engine core pid %d ignored SIGTERM; killing it", proc.pid)
-            proc.kill()
-            proc.join()
-        proc.close()
-
-    def _send_shutdown(self) -> None:
+    def _send_shutdown(self) -> bool:
+        """Asks the core to stop; False when it cannot hear it (SIGTERM then follows)."""
         if not self.send_lock.acquire(timeout=1.0):
-            return  # a sender is stuck: SIGTERM follows
+            return False  # a sender is stuck
         try:
             self.input_socket.send_multipart(
                 encode(EngineCoreRequestType.SHUTDOWN), flags=zmq.NOBLOCK
             )
+            return True
         except zmq.ZMQError:
-            pass  # not reading any more: SIGTERM follows
+            return False  # not reading any more
         finally:
             self.send_lock.release()
-
-
-def _wait_for_ready(proc: multiprocessing.process.BaseProcess, conn: Connection) -> EngineCoreInfo:
-    if not wait([conn, proc.sentinel], STARTUP_TIMEOUT_S):
-        raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
-    try:
-        message = msgspec.msgpack.decode(conn.recv_bytes()) if conn.poll() else None
-    except EOFError:
-        message = None  # the core exited without a word: its exit code says how
-    if message is not None and message[0] == READY:
-        return msgspec.convert(message[1], EngineCoreInfo)
-    if message is not None:
-        _, exc_type, text = message
-        proc.join(_GRACEFUL_EXIT_S)  # it exits after FAILED, once its workers are stopped
-        error_cls = ValueError if exc_type == "ValueError" else RuntimeError
-        raise error_cls(f"the engine core failed to start:\n{text}")
-    proc.join(_GRACEFUL_EXIT_S)
-    raise RuntimeError(
-        "the engine core process died during start-up "
-        f"({describe_exitcode(proc.exitcode)}); see its log above"
-    )
 
 
 # Queued after the last output once the engine is dead; readers put it back for the next one.
@@ -286,8 +238,8 @@ def read_outputs_in_loop(
     """The asyncio client's reader: callbacks on the output socket's descriptor and the core's
     sentinel, removed when the resources close.
     """
-    assert resources.proc is not None
-    socket, sentinel = resources.output_socket, resources.proc.sentinel
+    assert resources.child is not None
+    socket, sentinel = resources.output_socket, resources.child.sentinel
     # ZeroMQ's descriptor only signals "something changed": drain() reads until EAGAIN.
     fd = socket.FD
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 
-# Re-exported for core/background_resources.py until it starts the engine core with process.py.
-from v1engine.process import describe_exitcode  # noqa: F401
-
 
 @dataclass(frozen=True)
 class RemoteFailure:
