@@ -38,8 +38,9 @@ from v1engine.executor.tcp_transport import (
     configure_socket,
     wait_for_subscribers,
 )
+from v1engine.utils import MiB_bytes
 
-DEFAULT_MAX_CHUNK_BYTES = 10 * 1024 * 1024
+DEFAULT_MAX_CHUNK_BYTES = 10 * MiB_bytes
 DEFAULT_MAX_CHUNKS = 4
 DEFAULT_SPIN_S = 100e-6
 _OVERFLOW = 0xFFFFFFFF

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import zmq
 
+from v1engine.utils import MiB_bytes
+
 _CLOSE_FRAME = b""
 _POLL_SLICE_S = 0.1  # how soon a blocked reader notices a local close()
 _CLOSE_LINGER_MS = 200  # lets the close marker leave before the socket goes
@@ -27,8 +29,8 @@ def configure_socket(socket: zmq.Socket) -> None:
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.setsockopt(zmq.RCVHWM, 0)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.SNDBUF, 4 << 20)
-    socket.setsockopt(zmq.RCVBUF, 4 << 20)
+    socket.setsockopt(zmq.SNDBUF, 4 * MiB_bytes)
+    socket.setsockopt(zmq.RCVBUF, 4 * MiB_bytes)
 
 
 def wait_for_subscribers(socket: zmq.Socket, num_subscribers: int, deadline: float | None) -> None:

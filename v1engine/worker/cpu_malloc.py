@@ -18,6 +18,7 @@ import ctypes
 import platform
 
 from v1engine.logger import init_logger
+from v1engine.utils import GiB_bytes, MiB_bytes
 
 logger = init_logger(__name__)
 
@@ -27,9 +28,9 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
 # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2, which is 32 MiB on 64-bit.
-_MMAP_THRESHOLD_BYTES = 32 << 20
-_TRIM_THRESHOLD_BYTES = 1 << 30
-_TOP_PAD_BYTES = 64 << 20
+_MMAP_THRESHOLD_BYTES = 32 * MiB_bytes
+_TRIM_THRESHOLD_BYTES = GiB_bytes
+_TOP_PAD_BYTES = 64 * MiB_bytes
 
 
 def tune_malloc_for_tensors() -> bool:

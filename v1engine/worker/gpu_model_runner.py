@@ -31,6 +31,7 @@ from v1engine.model.layers.attention_backend import AttentionBackend, get_defaul
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.utils import GiB_bytes
 from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import (
     allocate_kv_caches,
@@ -48,7 +49,6 @@ from v1engine.worker.sampling_inputs import (
 
 logger = init_logger(__name__)
 
-_GIB = 1 << 30
 # Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
 _WARM_UP_NUM_DECODES = 4
 
@@ -97,7 +97,7 @@ class GPUModelRunner:
             self.dtype,
             self.attn_backend.name,
             time.perf_counter() - start,
-            self.weights_bytes / _GIB,
+            self.weights_bytes / GiB_bytes,
         )
 
     def get_kv_cache_spec(self) -> dict[str, AttentionSpec]:
@@ -151,7 +151,7 @@ class GPUModelRunner:
             kv_cache_config.num_blocks,
             len(groups),
             len(kv_cache_config.kv_cache_tensors),
-            num_bytes / _GIB,
+            num_bytes / GiB_bytes,
             time.perf_counter() - start,
         )
 

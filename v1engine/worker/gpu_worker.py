@@ -19,6 +19,7 @@ from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import get_architecture, load_hf_config, resolve_dtype
 from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.utils import GiB_bytes
 from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
 from v1engine.worker.gpu_model_runner import GPUModelRunner
 from v1engine.worker.memory import MemoryProfile, profile_cpu, profile_cuda
@@ -27,7 +28,7 @@ from v1engine.worker.worker_base import WorkerBase
 logger = init_logger(__name__)
 
 # Per worker, when kv_cache_memory_bytes is unset (see determine_available_memory).
-CPU_DEFAULT_KV_CACHE_BYTES = 4 << 30
+CPU_DEFAULT_KV_CACHE_BYTES = 4 * GiB_bytes
 
 
 class Worker(WorkerBase):
@@ -123,8 +124,8 @@ class Worker(WorkerBase):
                 logger,
                 "CPU KV cache capped at %.1f GiB of the %.1f GiB measured; set "
                 "kv_cache_memory_bytes to use more",
-                CPU_DEFAULT_KV_CACHE_BYTES / (1 << 30),
-                profile.available_kv_bytes / (1 << 30),
+                CPU_DEFAULT_KV_CACHE_BYTES / GiB_bytes,
+                profile.available_kv_bytes / GiB_bytes,
             )
             return CPU_DEFAULT_KV_CACHE_BYTES
         return profile.available_kv_bytes

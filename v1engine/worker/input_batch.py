@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from v1engine.kv_cache_interface import cdiv
 from v1engine.sampling_params import SamplingParams
+from v1engine.utils import cdiv
 
 
 @dataclass

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from v1engine.kv_cache_interface import AttentionSpec, cdiv
+from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers.attention_backend import AttentionBackend, CommonAttentionMetadata
+from v1engine.utils import cdiv
 from v1engine.worker.input_batch import BlockTable, InputBatch
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec, cdiv
+from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata
+from v1engine.utils import cdiv
 
 DECODE_GROUP_SIZE = 8
 # Upper bound on gathered K elements per decode group, so long sequences shrink the group.
