@@ -16,6 +16,8 @@ import struct
 import sys
 from typing import Any
 
+from v1engine.utils import round_up
+
 Buffer = bytes | bytearray | memoryview
 _ALIGN = 64
 
@@ -91,29 +93,25 @@ def deserialize(frames: list[Buffer]) -> Any:
 #     [u32 num_frames][u64 size] * num_frames [pad to 64] frame 0 [pad] frame 1 ...
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 def pack_frames(view: memoryview, frames: list, sizes: list[int]) -> None:
     header = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
     view[: len(header)] = header
-    offset = _align(len(header))
+    offset = round_up(len(header), _ALIGN)
     for frame, size in zip(frames, sizes):
         view[offset : offset + size] = memoryview(frame).cast("B")
-        offset = _align(offset + size)
+        offset = round_up(offset + size, _ALIGN)
 
 
 def unpack_frames(view: memoryview) -> Any:
     (num_frames,) = struct.unpack_from("<I", view, 0)
     sizes = struct.unpack_from(f"<{num_frames}Q", view, 4)
-    offset = _align(4 + 8 * num_frames)
+    offset = round_up(4 + 8 * num_frames, _ALIGN)
     if num_frames == 1:  # the common small message: no out-of-band buffers
         return deserialize([view[offset : offset + sizes[0]]])
     starts = []
     for size in sizes:
         starts.append(offset)
-        offset = _align(offset + size)
+        offset = round_up(offset + size, _ALIGN)
     # Private copies of the out-of-band buffers, so nothing returned aliases the ring. Building
     # the bytearray from the slice copies once (a zeroed bytearray would touch the memory twice).
     buffers = [bytearray(view[start : start + size]) for start, size in zip(starts[1:], sizes[1:])]

@@ -42,6 +42,8 @@ import platform
 import threading
 import uuid
 
+from v1engine.utils import round_up
+
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "v1engine-"
 _WRITE_SEQ = 0
@@ -68,10 +70,6 @@ def full_fence() -> None:
         pass
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
 class ShmRingBuffer:
     """Args:
     n_reader: readers that must each read every chunk before it is reused.
@@ -93,9 +91,9 @@ class ShmRingBuffer:
         self.n_reader = n_reader
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
-        self.flag_stride = _round_up(1 + n_reader, _LINE)
-        self.flags_start = _round_up(_READERS_SLEEPING + n_reader, _LINE)
-        self.data_start = _round_up(self.flags_start + max_chunks * self.flag_stride, 4096)
+        self.flag_stride = round_up(1 + n_reader, _LINE)
+        self.flags_start = round_up(_READERS_SLEEPING + n_reader, _LINE)
+        self.data_start = round_up(self.flags_start + max_chunks * self.flag_stride, 4096)
         self.total_bytes = self.data_start + max_chunks * chunk_bytes
         self.is_creator = path is None
         self.path = path or os.path.join(SHM_DIR, f"{name_prefix}{uuid.uuid4().hex[:16]}")

@@ -18,6 +18,7 @@ from v1engine.model.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from v1engine.model.weight_utils import WeightSource, copy_weight, narrow_weight, weight_shape
+from v1engine.utils import round_up
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -25,7 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         tp_size = get_tp_world_size()
         self.num_embeddings = num_embeddings
-        self.num_embeddings_padded = -(-num_embeddings // tp_size) * tp_size
+        self.num_embeddings_padded = round_up(num_embeddings, tp_size)
         self.num_embeddings_per_rank = self.num_embeddings_padded // tp_size
         self.vocab_start = get_tp_rank() * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
