@@ -29,9 +29,14 @@ from typing import Any
 
 import zmq
 
-from v1engine.executor import futex
 from v1engine.executor.serialization import deserialize, pack_frames, serialize, unpack_frames
-from v1engine.executor.shm_ring import ShmRingBuffer, full_fence, unlink_all
+from v1engine.executor.shm_ring import (
+    ShmRingBuffer,
+    full_fence,
+    futex_wait,
+    futex_wake,
+    unlink_all,
+)
 from v1engine.executor.tcp_transport import (
     RemotePublisher,
     RemoteSubscriber,
@@ -229,7 +234,7 @@ class MessageQueue:
         self._ring.end_write(chunk)
         full_fence()
         if self._ring.any_reader_sleeping():
-            futex.wake(self._ring.write_seq_addr)
+            futex_wake(self._ring.write_seq_addr)
         self._chunk = (chunk + 1) % self._ring.max_chunks
 
     # -- reader ---------------------------------------------------------------------------
@@ -263,7 +268,7 @@ class MessageQueue:
                 self._ring.end_read(chunk, rank)
                 full_fence()
                 if self._ring.writer_sleeping():
-                    futex.wake(self._ring.read_seq_addr)
+                    futex_wake(self._ring.read_seq_addr)
                 self._chunk = (chunk + 1) % self._ring.max_chunks
 
     def _recv_overflow(self) -> list[memoryview]:
@@ -301,7 +306,7 @@ class MessageQueue:
                     remaining = min(remaining, deadline - time.perf_counter())
                     if remaining <= 0:
                         raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
-                futex.wait(seq_addr, seq, remaining)
+                futex_wait(seq_addr, seq, remaining)
         finally:
             ring.set_sleeping(me, False)
 
@@ -342,8 +347,8 @@ class MessageQueue:
         if ring is not None:
             if self.is_writer:
                 ring.mark_closed()
-            futex.wake(ring.write_seq_addr)
-            futex.wake(ring.read_seq_addr)
+            futex_wake(ring.write_seq_addr)
+            futex_wake(ring.read_seq_addr)
         with self._op_lock:  # the blocked operation has seen _closed and left
             for end in (self._socket, ring, self._publisher, self._subscriber):
                 if end is not None:
