@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers.gemm import linear
+from v1engine.model.layers.linear import linear
 
 # (name, in_features, out_features) of SmolLM2-135M's matmuls at tensor_parallel_size=1.
 SHAPES = (

@@ -26,7 +26,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs at start-up of every Python process under PYTHONPATH: records first calls into v1engine/
 # while MARK_DIR/start exists and MARK_DIR/stop does not, and writes them out at stop.
-_SITECUSTOMIZE = r'''
+_SITECUSTOMIZE = r"""
 import os, sys, threading, time, json
 _dir = os.environ.get("V1ENGINE_TRACE_DIR")
 if _dir:
@@ -55,7 +55,7 @@ if _dir:
     sys.setprofile(_profile)
     threading.setprofile(_profile)
     threading.Thread(target=_watch, daemon=True).start()
-'''
+"""
 
 
 def _chat(port: int, content: str, max_tokens: int) -> dict:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers.gemm import linear
+from v1engine.model.layers.linear import linear
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -1,4 +1,6 @@
-"""Tensor-parallel linear layers (Megatron-style) whose weight loaders narrow to this rank's shard.
+"""The tensor-parallel layers that hold weight matrices (Megatron-style): linear layers, the
+vocabulary-parallel embedding and LM head, and the one matmul they all call. Weight loaders
+narrow each checkpoint tensor to this rank's shard.
 
 Column-parallel layers split the output features: each rank computes its slice and no
 communication is needed until a row-parallel layer, which splits the input features, sums the
@@ -7,10 +9,13 @@ partial products with one all-reduce. Weights keep nn.Linear's layout: [out_feat
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from v1engine.model.layers.gemm import linear
+from v1engine.logger import init_logger
 from v1engine.model.parallel_state import (
     get_tp_rank,
     get_tp_world_size,
@@ -18,6 +23,9 @@ from v1engine.model.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from v1engine.model.weight_utils import WeightSource, copy_weight, narrow_weight, weight_shape
+from v1engine.utils import round_up
+
+logger = init_logger(__name__)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -160,3 +168,101 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
+
+
+# -- the matmul under every layer here ----------------------------------------------------------
+# y = x W^T + b. On CPU, torch's `F.linear` goes to MKL's sgemm, which on the AMD EPYC (AVX-512) we
+# benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
+# at 1 token (`scripts/bench_gemm.py` measures both). So on CPU, float32 and bfloat16 inputs go
+# through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for
+# linear layers), with plain weights, so tensor-parallel shards and tied embeddings need no
+# repacking. Anywhere else, or if this torch lacks the op, `F.linear`.
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in_features], weight [out_features, in_features] -> [..., out_features]."""
+    if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and _onednn_linear_works():
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _onednn_linear_works() -> bool:
+    """Whether this torch build has oneDNN's linear and it agrees with `F.linear` on a probe."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=generator)
+    weight = torch.randn(5, 8, generator=generator)
+    bias = torch.randn(5, generator=generator)
+    try:
+        with torch.inference_mode():
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    except RuntimeError as e:
+        logger.warning("oneDNN linear unavailable (%s); CPU matmuls use F.linear", e)
+        return False
+    return bool(torch.allclose(out, F.linear(x, weight, bias), rtol=1e-4, atol=1e-5))
+
+
+# -- vocabulary-parallel embedding and LM head --------------------------------------------------
+# Each rank owns a contiguous range of token ids. The vocabulary is padded up to a multiple of the
+# tensor-parallel size so every rank holds the same number of rows; padded rows are zero and
+# padded logits are cut off after the gather.
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        tp_size = get_tp_world_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_padded = round_up(num_embeddings, tp_size)
+        self.num_embeddings_per_rank = self.num_embeddings_padded // tp_size
+        self.vocab_start = get_tp_rank() * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        # zeros, not empty: the padded rows are never loaded and must not produce garbage logits.
+        self.weight = nn.Parameter(
+            torch.zeros(self.num_embeddings_per_rank, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: WeightSource, shard_id: object = None
+    ) -> None:
+        rows = weight_shape(loaded)[0]
+        if rows != self.num_embeddings:
+            raise ValueError(
+                f"checkpoint embedding has {rows} rows but config.json says vocab_size="
+                f"{self.num_embeddings}; the checkpoint does not match its config"
+            )
+        num_rows = max(0, min(self.vocab_end, rows) - self.vocab_start)
+        if num_rows:
+            shard = narrow_weight(loaded, 0, self.vocab_start, num_rows)
+            copy_weight(param.data[:num_rows], shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # [num_tokens] -> [num_tokens, embedding_dim]
+        if self.num_embeddings_per_rank == self.num_embeddings_padded:
+            return F.embedding(input_ids, self.weight)
+        # Ids owned by another rank look up row 0 here, are zeroed, and arrive via the all-reduce.
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        embeds = F.embedding(local_ids, self.weight).masked_fill_(~in_range.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(embeds)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, hidden_size] -> [num_tokens, vocab_size] float32, on every rank."""
+        logits = linear(hidden_states, self.weight)  # [num_tokens, num_embeddings_per_rank]
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[:, : self.num_embeddings].float()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden_states)

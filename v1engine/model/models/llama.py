@@ -20,11 +20,12 @@ from v1engine.model.layers.attention import Attention
 from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.linear import (
     MergedColumnParallelLinear,
+    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
+    VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import RotaryEmbedding
-from v1engine.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from v1engine.model.weight_utils import WeightSource, default_weight_loader
 
 # (merged parameter, checkpoint projection, shard id) for projections fused into one matmul.
