@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v1engine.model.layers.sampler import Sampler, apply_penalties
-from v1engine.model.layers.sampling_metadata import SamplingMetadata
+from v1engine.model.layers.sampler import Sampler, SamplingMetadata, apply_penalties
 
 _VOCAB = 32
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from v1engine.model.layers.sampler import LogprobsTensors
-from v1engine.model.layers.sampling_metadata import SamplingMetadata
+from v1engine.model.layers.sampler import LogprobsTensors, SamplingMetadata
 from v1engine.outputs import LogprobsLists
 from v1engine.sampling_params import SamplingParams
 from v1engine.worker.input_batch import CachedRequestState
