@@ -39,13 +39,15 @@ from v1engine.worker.kv_cache import (
     kv_cache_group_specs,
     unbind_kv_caches,
 )
-from v1engine.worker.model_inputs import ModelInputs, build_dummy_model_inputs, build_model_inputs
-from v1engine.worker.request_states import RequestStates
-from v1engine.worker.sampling_inputs import (
+from v1engine.worker.model_inputs import (
+    ModelInputs,
+    build_dummy_model_inputs,
+    build_model_inputs,
     build_sampling_metadata,
     dummy_sampling_metadata,
     to_logprobs_lists,
 )
+from v1engine.worker.request_states import RequestStates
 
 logger = init_logger(__name__)
 
