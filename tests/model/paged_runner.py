@@ -19,8 +19,7 @@ from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
 from v1engine.core.scheduler import Scheduler
 from v1engine.kv_cache_interface import KVCacheConfig
-from v1engine.model.forward_context import set_forward_context
-from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.attention import get_attention_layers, set_forward_context
 from v1engine.model.layers.attention_backend import get_default_attention_backend
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import Request

@@ -14,7 +14,7 @@ from tests.model.paged_batch import (
     dense_attention,
     torch_paged_attention,
 )
-from v1engine.model.layers import torch_attention, torch_attention_plan
+from v1engine.model.layers import torch_attention
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, write_kv_cache
 
 HEAD_SIZE = 8
@@ -71,7 +71,7 @@ def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, sliding_
 
 
 def test_decode_split_into_several_gathers(monkeypatch):
-    monkeypatch.setattr(torch_attention_plan, "MAX_GATHER_ELEMENTS", 1)
+    monkeypatch.setattr(torch_attention, "MAX_GATHER_ELEMENTS", 1)
     steps = [(r, 3 + 5 * r, 1) for r in range(6)]
     out, expected = _run_step(steps, 4, 2, 4, None)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -82,16 +82,17 @@ def test_many_decodes_of_mixed_lengths_in_sorted_groups(sliding_window):
     """More decodes than one group holds, in no length order, around a prefill."""
     lengths = [29, 3, 17, 40, 8, 22, 1, 35, 12, 26, 5, 31, 19, 9, 38, 14, 2, 24, 33, 11]
     steps = [(r, n, 1) for r, n in enumerate(lengths)] + [(99, 6, 5)]
-    assert len(lengths) > 2 * torch_attention_plan.DECODE_GROUP_SIZE
+    assert len(lengths) > 2 * torch_attention.DECODE_GROUP_SIZE
     out, expected = _run_step(steps, 6, 2, 16, sliding_window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_plan_is_built_once_per_step_and_group(monkeypatch):
     plans = []
+    build_step_plan = torch_attention.build_step_plan
 
     def counting_build_step_plan(*args):
-        plans.append(torch_attention_plan.build_step_plan(*args))
+        plans.append(build_step_plan(*args))
         return plans[-1]
 
     monkeypatch.setattr(torch_attention, "build_step_plan", counting_build_step_plan)

@@ -24,9 +24,8 @@ import torch
 from v1engine.config import EngineConfig
 from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
-from v1engine.model.forward_context import set_forward_context
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
-from v1engine.model.layers.attention import Attention, get_attention_layers
+from v1engine.model.layers.attention import Attention, get_attention_layers, set_forward_context
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model

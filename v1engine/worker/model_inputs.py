@@ -192,6 +192,7 @@ def build_dummy_model_inputs(
 #
 # Only the driver (rank 0) samples. Penalties need every request's prompt and output tokens, so
 # those lists are passed only when some request in the batch turns a penalty on.
+#
 # The profiling run samples with every stage on, so its memory peak covers the costliest step.
 _PROFILE_NUM_LOGPROBS = 20
 
