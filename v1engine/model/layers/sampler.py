@@ -97,16 +97,9 @@ class SamplingMetadata:
             if values is not None and len(values) != num_reqs:
                 raise ValueError(f"{name} has {len(values)} entries for {num_reqs} requests")
         greedy = [t < GREEDY_TEMPERATURE for t in temperature]
-        penalties = _penalty_fields(
-            num_reqs,
-            vocab_size,
-            device,
-            presence_penalty,
-            frequency_penalty,
-            repetition_penalty,
-            prompt_token_ids,
-            output_token_ids,
-        )
+        penalty_lists = (presence_penalty, frequency_penalty, repetition_penalty)
+        token_lists = (prompt_token_ids, output_token_ids)
+        penalties = _penalty_fields(num_reqs, vocab_size, device, *penalty_lists, *token_lists)
         return cls(
             temperature=_tensor(temperature, torch.float32, device),
             all_greedy=all(greedy),
