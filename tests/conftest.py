@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import os
 
+from tests.timeouts import scaled  # noqa: E402
+
 # Triton kernels run on CPU only under the interpreter, and it must be set before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-timeout's per-test limit, scaled with every other limit (an explicit --timeout wins).
+os.environ.setdefault("PYTEST_TIMEOUT", str(scaled(300)))
 
 import gc  # noqa: E402
 import glob  # noqa: E402
@@ -90,7 +94,7 @@ def no_leaks(request):
     before = _snapshot()
     yield
     gc.collect()  # objects the test dropped release their resources now, not at random later
-    deadline = time.monotonic() + _GRACE_S
+    deadline = time.monotonic() + scaled(_GRACE_S)
     leaks = _leaks(before)
     while leaks and time.monotonic() < deadline:
         time.sleep(0.05)

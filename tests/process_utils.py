@@ -16,6 +16,8 @@ import time
 import psutil
 import pytest
 
+from tests.timeouts import scaled
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,7 +30,9 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pids: list[int], limit_s: float) -> float:
-    """Seconds until every pid exited; after `limit_s` kills the rest and fails the test."""
+    """Seconds until every pid exited; after `limit_s` (scaled) kills the rest and fails the
+    test."""
+    limit_s = scaled(limit_s)
     start = time.monotonic()
     while any(alive(p) for p in pids):
         if time.monotonic() - start > limit_s:
@@ -46,7 +50,7 @@ def leftovers(pid: int) -> list[str]:
 
 
 def wait_no_leftovers(pid: int, limit_s: float = 5.0) -> None:
-    deadline = time.monotonic() + limit_s
+    deadline = time.monotonic() + scaled(limit_s)
     while leftovers(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not leftovers(pid)

@@ -26,6 +26,7 @@ from tests.core.counting_worker import (
 from tests.engine.core_utils import collect, core_request
 from tests.engine.sync_client import SyncMPClient
 from tests.process_utils import alive, start_json_script, wait_gone, wait_no_leftovers
+from tests.timeouts import scaled
 from v1engine.core_protocol import EngineCoreRequestType, encode
 from v1engine.engine.core_client import (
     AsyncMPClient,
@@ -37,7 +38,7 @@ from v1engine.executor.errors import WorkerError
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 
-DEAD_WITHIN_S = 2.0
+DEAD_WITHIN_S = scaled(2.0)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,9 @@ def test_abort_stops_a_request(client):
     client.collective_rpc("set_step_delay", args=(0.01,))
     try:
         client.add_request(core_request("long", [1], max_tokens=50))
-        while not any(o.request_id == "long" for o in client.get_output(timeout=10).outputs):
+        while not any(
+            o.request_id == "long" for o in client.get_output(timeout=scaled(10)).outputs
+        ):
             pass
         client.abort_requests(["long"])
         client.add_request(core_request("short", [9], max_tokens=3))
@@ -102,7 +105,7 @@ def test_bad_input_raises_value_error_and_changes_nothing(client):
 def test_a_request_the_core_refuses_finishes_as_aborted(client):
     # Past the client's checks (sent raw), the core's own check is the safety net.
     client._send(encode(EngineCoreRequestType.ADD, core_request("raw", [])))
-    outputs = client.get_output(timeout=10).outputs
+    outputs = client.get_output(timeout=scaled(10)).outputs
     assert [(o.request_id, str(o.finish_reason)) for o in outputs] == [("raw", "abort")]
 
 
@@ -208,9 +211,9 @@ def _assert_later_calls_fail(client) -> None:
         lambda: client.add_request(core_request("later", [1])),
         lambda: client.abort_requests(["later"]),
         lambda: client.collective_rpc("get_pid"),
-        lambda: client.get_output(timeout=5),
+        lambda: client.get_output(timeout=scaled(5)),
     ):
-        _raises_dead_within(call, limit_s=0.5)
+        _raises_dead_within(call, limit_s=scaled(0.5))
 
 
 @pytest.mark.parametrize("busy", ["generating", "in_rpc", "idle"])
@@ -221,13 +224,13 @@ def test_worker_sigkill_raises_engine_dead(busy):
         if busy == "generating":
             client.collective_rpc("set_step_delay", args=(0.02,))
             client.add_request(core_request("r", [1, 2], max_tokens=50))
-            client.get_output(timeout=10)
-            pending = lambda: client.get_output(timeout=5)  # noqa: E731
+            client.get_output(timeout=scaled(10))
+            pending = lambda: client.get_output(timeout=scaled(5))  # noqa: E731
         elif busy == "in_rpc":
             pending = lambda: client.collective_rpc("sleep", args=(3.0,))  # noqa: E731
             threading.Timer(0.3, os.kill, args=(worker_pids[1], signal.SIGKILL)).start()
         else:
-            pending = lambda: client.get_output(timeout=5)  # noqa: E731
+            pending = lambda: client.get_output(timeout=scaled(5))  # noqa: E731
         if busy != "in_rpc":
             os.kill(worker_pids[1], signal.SIGKILL)
         error = _raises_dead_within(pending, DEAD_WITHIN_S + (0.3 if busy == "in_rpc" else 0))
@@ -245,12 +248,12 @@ def test_core_sigkill_raises_engine_dead_and_workers_exit():
     try:
         client.collective_rpc("set_step_delay", args=(0.02,))
         client.add_request(core_request("r", [1, 2], max_tokens=50))
-        client.get_output(timeout=10)
+        client.get_output(timeout=scaled(10))
         os.kill(core_pid, signal.SIGKILL)
-        error = _raises_dead_within(lambda: client.get_output(timeout=5))
+        error = _raises_dead_within(lambda: client.get_output(timeout=scaled(5)))
         assert f"engine core process (pid {core_pid}) died" in str(error)
         assert "SIGKILL" in str(error)
-        assert wait_gone(worker_pids, 5.0) < 2.0
+        assert wait_gone(worker_pids, 5.0) < scaled(2.0)
         _assert_later_calls_fail(client)
     finally:
         client.shutdown()
@@ -267,11 +270,11 @@ def test_async_client_add_get_abort_and_core_death():
             os.kill(client.core_pid, signal.SIGKILL)
             start = time.monotonic()
             with pytest.raises(EngineDeadError, match="SIGKILL"):
-                await client.get_output(timeout=5)
+                await client.get_output(timeout=scaled(5))
             assert time.monotonic() - start < DEAD_WITHIN_S
             with pytest.raises(EngineDeadError):
                 await client.collective_rpc("get_pid")
-            assert wait_gone(worker_pids, 5.0) < 2.0
+            assert wait_gone(worker_pids, 5.0) < scaled(2.0)
         finally:
             client.shutdown()
         wait_no_leftovers(client.core_pid)
@@ -283,7 +286,7 @@ async def _exercise_async_client(client: AsyncMPClient) -> None:
     async def collect_async(request_ids: set[str]) -> dict:
         results: dict[str, tuple[list[int], str | None]] = {}
         while not all(results.get(r, ([], None))[1] for r in request_ids):
-            for out in (await client.get_output(timeout=10)).outputs:
+            for out in (await client.get_output(timeout=scaled(10))).outputs:
                 tokens = results.get(out.request_id, ([], None))[0] + out.new_token_ids
                 results[out.request_id] = (tokens, out.finish_reason and str(out.finish_reason))
         return results
@@ -294,7 +297,7 @@ async def _exercise_async_client(client: AsyncMPClient) -> None:
         await client.add_request(core_request("empty", []))
     await client.collective_rpc("set_step_delay", args=(0.01,))
     await client.add_request(core_request("long", [1], max_tokens=50))
-    await client.get_output(timeout=10)
+    await client.get_output(timeout=scaled(10))
     await client.abort_requests(["long"])
     await client.add_request(core_request("short", [8], max_tokens=2))
     results = await collect_async({"short"})
