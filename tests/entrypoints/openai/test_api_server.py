@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from v1engine.config import EngineConfig
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.metrics import ServerMetrics
@@ -24,6 +25,8 @@ from v1engine.serve import make_arg_parser
 
 class FakeClient:
     """The AsyncMPClient surface: records adds and aborts; the test feeds outputs."""
+
+    info = EngineCoreInfo(num_blocks=64, block_size=16, max_model_len=2048, vocab_size=49152)
 
     def __init__(self, refuse_after: int | None = None) -> None:
         self.added: list = []
