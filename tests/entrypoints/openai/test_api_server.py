@@ -21,6 +21,8 @@ from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.api_server import build_app, build_state
 from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.protocol import CompletionResponse
+from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.executor.errors import RemoteFailure, WorkerError
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from v1engine.sampling_params import SamplingParams
@@ -231,6 +233,27 @@ def test_an_unexpected_error_is_a_short_500_logged_once(tokenizer):
     assert error["message"] == "internal server error; the server log has the details"
     (logged,) = [record for record in records if record.exc_info]
     assert logged.getMessage() == "unexpected error serving POST /v1/completions"
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(tokenizer, monkeypatch):
+    async def failing_chunks(self, request_id, outputs, request):
+        yield CompletionResponse(id=request_id, model="m", choices=[])
+        raise RuntimeError("a bug in /srv/v1engine/entrypoints/openai/serving_completion.py")
+
+    monkeypatch.setattr(OpenAIServingCompletion, "_stream_chunks", failing_chunks)
+
+    async def scenario():
+        engine, http, _ = _make(tokenizer, FakeClient())
+        response = await http.post("/v1/completions", json=_body(stream=True))
+        await engine.stop()
+        return response
+
+    response = asyncio.run(scenario())
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"] == []
+    error = json.loads(events[1])["error"]
+    assert error["message"] == "internal server error; the server log has the details"
+    assert events[2:] == ["[DONE]"]
 
 
 def test_every_engine_arg_and_request_limit_is_a_flag():
