@@ -43,20 +43,21 @@ def validate_request(
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a str, got {request_id!r}")
     if not prompt:
-        raise ValueError(f"request {request_id!r}: the prompt is empty")
+        raise ValueError(f"request {request_id!r}: the prompt is empty; send at least one token")
     if len(prompt) >= max_model_len:
         raise ValueError(
             f"request {request_id!r}: the prompt has {len(prompt)} tokens but max_model_len is "
             f"{max_model_len}, leaving no room for output; shorten the prompt or raise "
             "max_model_len"
         )
-    if vocab_size is not None:
+    # min and max first: the scan that lists the bad ids is ten times slower, and n > 1 requests
+    # run this check once per child.
+    if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
+        raise ValueError(
+            f"request {request_id!r}: prompt token ids {bad[:5]} are outside the vocabulary; "
+            f"this model's ids are in [0, {vocab_size})"
+        )
     if request_id in live_request_ids:
         raise ValueError(f"request id {request_id!r} is already in use")
     request.sampling_params.validate()

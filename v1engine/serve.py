@@ -4,7 +4,9 @@
     python -m v1engine.serve --model /path/to/hf_dir --tensor-parallel-size 2 --port 8000
 
 Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--device`, `--dtype`,
-`--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below. Exits 0 after
+`--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below and the limits on
+what one request may ask (`--max-n`, `--max-logprobs`, `--max-stop-sequences`,
+`--max-stop-sequence-chars`, `--max-request-body-bytes`). Exits 0 after
 SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
 """
 
@@ -14,6 +16,7 @@ import argparse
 import sys
 
 from v1engine.engine_args import EngineArgs
+from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.logger import init_logger
 
 # Not __name__: run as `python -m`, this module is "__main__".
@@ -45,6 +48,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         choices=_UVICORN_LOG_LEVELS,
         help="uvicorn's own log level (debug also logs each request)",
     )
+    RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 

@@ -1,5 +1,6 @@
 """OutputProcessor: EngineCoreOutputs -> RequestOutputs with stop strings, finish reasons, n > 1
-fan-in, logprobs and aborts, on the real SmolLM2 tokenizer."""
+fan-in, logprobs and aborts, on the real SmolLM2 tokenizer; and the Processor's check that keeps a
+bad prompt from ever reaching it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 import pytest
 from transformers import AutoTokenizer
 
+from v1engine.config import EngineConfig
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputProcessor
-from v1engine.engine.processor import make_child_requests
+from v1engine.engine.processor import Processor, as_parent_error, make_child_requests
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
 from v1engine.outputs import Logprob, LogprobsLists
 from v1engine.request import EngineCoreOutput, FinishReason
@@ -297,3 +300,31 @@ def test_abort_requests_removes_state(tokenizer):
     assert not processor.has_unfinished_requests() and not processor.parent_states
     late = [EngineCoreOutput("plain", [42]), EngineCoreOutput("0_p", [42])]
     assert processor.process_outputs(late) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "prompt_token_ids, match",
+    [([-1], r"\[-1\] are outside the vocabulary"), ([5, 10**30], "outside"), ([], "empty")],
+)
+def test_processor_refuses_a_bad_prompt_before_anything_decodes_it(
+    tokenizer, prompt_token_ids, match
+):
+    # The detokenizer decodes the prompt's last tokens as soon as a request is registered; an id
+    # outside the vocabulary made it raise OverflowError (an HTTP 500) before the range check.
+    output_processor = OutputProcessor(tokenizer)
+    info = EngineCoreInfo(num_blocks=8, block_size=16, max_model_len=64, vocab_size=len(tokenizer))
+    processor = Processor(EngineConfig(), tokenizer, output_processor, info)
+    params = SamplingParams(n=3)
+    with pytest.raises(ValueError, match=match) as error:
+        processor.process("cmpl-7", None, prompt_token_ids, params, "final")
+    assert "'cmpl-7'" in str(error.value) and "_cmpl-7" not in str(error.value)
+    assert not output_processor.has_unfinished_requests() and not output_processor.parent_states
+    processor.process("cmpl-7", None, [5, 6], params, "final")
+    with pytest.raises(ValueError, match="'cmpl-7' is already in use"):
+        processor.process("cmpl-7", None, [5, 6], params, "final")
+
+
+def test_a_childs_error_names_its_parent():
+    error = ValueError("request '1_cmpl-7' cannot be encoded: integer out of range")
+    parent_error = as_parent_error(error, "1_cmpl-7", "cmpl-7")
+    assert str(parent_error) == "request 'cmpl-7' cannot be encoded: integer out of range"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -127,6 +128,14 @@ def test_bad_requests_are_rejected_and_change_nothing(llm_tp1, request_kwargs, m
     with pytest.raises(ValueError, match=match):
         core.add_request(request)
     assert not core.has_unfinished_requests()
+    assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
+
+
+def test_a_bad_prompt_is_refused_under_the_callers_request_id(llm_tp1):
+    params = SamplingParams(n=2, max_tokens=1)
+    with pytest.raises(ValueError, match="outside the vocabulary") as error:
+        llm_tp1.generate([[1, 99999]], params, use_tqdm=False)
+    assert not re.search(r"'\d+_\d+'", str(error.value))  # an id of one of its n children
     assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
-from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
-from v1engine.engine.processor import Processor
+from v1engine.engine.processor import Processor, as_parent_error
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.request import EngineCoreOutputs
@@ -67,7 +67,7 @@ class AsyncLLM:
         self.config = config
         self.metrics = metrics
         self.output_processor = OutputProcessor(tokenizer)
-        self.processor = Processor(config, tokenizer, self.output_processor)
+        self.processor = Processor(config, tokenizer, self.output_processor, client.info)
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._timings: dict[str, _Timing] = {}  # by engine (child) request id
@@ -122,7 +122,10 @@ class AsyncLLM:
             )
             for request in requests:
                 self._timings[request.request_id] = _Timing(time.monotonic())
-                await self.client.add_request(request)
+                try:
+                    await self.client.add_request(request)
+                except ValueError as e:
+                    raise as_parent_error(e, request.request_id, request_id) from e
                 sent.append(request.request_id)
         except BaseException:
             self._forget(request_id, outcome=None)
@@ -242,7 +245,8 @@ class AsyncLLM:
     def _set_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
-        logger.error("engine is dead: %s", reason)
+        # Once: the engine core logged the whole reason, tracebacks included, when it sent it.
+        logger.error("engine is dead: %s", summarize_dead_reason(reason))
         self.dead_reason = reason
         self._fail_all(EngineDeadError(reason), outcome="error")
         if self._on_dead is not None:

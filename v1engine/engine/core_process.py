@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -138,6 +139,48 @@ class EngineDeadError(RuntimeError):
     """The engine core process or one of its workers died (or the client was shut down).
     Every pending and later call raises it; start a new engine.
     """
+
+    @property
+    def summary(self) -> str:
+        """The reason as a client may be told it (see summarize_dead_reason)."""
+        return summarize_dead_reason(str(self))
+
+
+# Tracebacks: their header, the sentences that chain two, and (indented) frames and source lines.
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+_CHAINING = ("During handling of the above exception", "The above exception was the direct cause")
+# "v1engine.executor.errors.WorkerError" -> "WorkerError".
+_QUALIFIED_NAME = re.compile(r"\b(?:[A-Za-z_]\w*\.)+([A-Z]\w*(?:Error|Exception))\b")
+# An absolute path (not a URL's), which says where the server's files are.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)*[\w.+-]+")
+_MAX_SUMMARY_CHARS = 400
+
+
+def summarize_dead_reason(reason: str) -> str:
+    """A death's reason as a client may be told it: one line, without tracebacks or paths.
+
+    The engine core logs the whole reason (tracebacks included) when it sends ENGINE_DEAD, so
+    the front end logs and sends only this; e.g. "the engine core loop crashed: WorkerError:
+    collective_rpc('execute_model') failed on rank 1: rank 1: RuntimeError: boom".
+    """
+    kept: list[str] = []
+    for line in reason.splitlines():
+        text = line.strip()
+        if not text or line[0].isspace() or text == _TRACEBACK_HEADER:
+            continue
+        if text.startswith(_CHAINING):
+            continue
+        text = _QUALIFIED_NAME.sub(r"\1", text.removeprefix("--- "))
+        text = _ABSOLUTE_PATH.sub("<path>", text)
+        # A traceback ends with its exception's line, which the message above already gave.
+        if not any(text in earlier for earlier in kept):
+            kept.append(text)
+    summary = ""
+    for text in kept:
+        summary += text if not summary else (" " if summary.endswith(":") else "; ") + text
+    if len(summary) > _MAX_SUMMARY_CHARS:
+        summary = summary[: _MAX_SUMMARY_CHARS - 3] + "..."
+    return summary
 
 
 class OutputHandler:

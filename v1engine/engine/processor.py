@@ -1,11 +1,14 @@
 """Processor: a user's prompt and SamplingParams -> the engine-core requests to send.
 
 Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or
-render a chat through the model's template), fan `n > 1` out into n core requests, register each
-with the `OutputProcessor`, and hand the requests to the caller, who sends them through its
-`EngineCoreClient`. The client's send runs `validate_request` against the engine's limits (the
-only copy of that check), so a request the engine cannot serve raises ValueError before it leaves
-this process; the caller then calls `abort` to forget what was registered.
+render a chat through the model's template), check the request against the engine's limits
+(`validate_request`, the one copy of that check, run here under the caller's request id and before
+anything decodes the prompt: an id outside the vocabulary must not reach the detokenizer), fan
+`n > 1` out into n core requests, register each with the `OutputProcessor`, and hand the requests
+to the caller, who sends them through its `EngineCoreClient`. The client's send runs the check
+again per child (the client is its own guard, as the core is), and a ValueError raised for a child
+is re-raised by the caller with the parent's id (`as_parent_error`); the caller then calls `abort`
+to forget what was registered.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import dataclasses
 from typing import Any
 
 from v1engine.config import EngineConfig
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.tokenizer import eos_token_id
-from v1engine.request import EngineCoreRequest
+from v1engine.request import EngineCoreRequest, validate_request
 from v1engine.sampling_params import SamplingParams
 
 # A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
@@ -28,13 +32,19 @@ class Processor:
     config: the engine configuration (for the model's EOS id when the tokenizer has none).
     tokenizer: the model's tokenizer, or None: prompts must then be token ids.
     output_processor: where each request is registered before it is sent.
+    info: the engine's limits (from its READY message) that requests are checked against.
     """
 
     def __init__(
-        self, config: EngineConfig, tokenizer: Any, output_processor: OutputProcessor
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        output_processor: OutputProcessor,
+        info: EngineCoreInfo,
     ) -> None:
         self.tokenizer = tokenizer
         self.output_processor = output_processor
+        self.info = info
         self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -82,10 +92,16 @@ class Processor:
         returns the core requests to send, in order.
 
         Raises:
-            ValueError: stop strings without a tokenizer, or an id already in use.
+            ValueError: the request cannot be served (empty or too long a prompt, token ids
+                outside the vocabulary, bad sampling values, stop strings without a tokenizer,
+                an id already in use), named by `request_id`; nothing is registered.
         """
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        parent = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id)
+        info = self.info
+        in_use = self.output_processor.parent_states
+        validate_request(parent, info.max_model_len, info.vocab_size, in_use)
         requests = []
         for child_id, index, child_params in make_child_requests(request_id, params):
             self.output_processor.add_request(
@@ -123,3 +139,8 @@ def make_child_requests(
         child_params = dataclasses.replace(sampling_params, n=1, seed=seed)
         children.append((f"{index}_{parent_id}", index, child_params))
     return children
+
+
+def as_parent_error(error: ValueError, child_id: str, parent_id: str) -> ValueError:
+    """A child request's error told in terms of its parent, the id the caller knows."""
+    return ValueError(str(error).replace(repr(child_id), repr(parent_id)))

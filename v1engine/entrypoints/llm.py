@@ -13,7 +13,7 @@ from tqdm import tqdm
 from v1engine.core.engine_core import EngineCore
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.output_processor import OutputProcessor
-from v1engine.engine.processor import Processor, PromptType
+from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
 from v1engine.outputs import RequestOutput
@@ -42,7 +42,9 @@ class LLM:
             self.config, multiprocess=False, asyncio_mode=False
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.processor = Processor(self.config, self.tokenizer, self.output_processor)
+        self.processor = Processor(
+            self.config, self.tokenizer, self.output_processor, self.client.info
+        )
         self._request_ids = itertools.count()
 
     @property
@@ -92,7 +94,10 @@ class LLM:
                     parent_id, text, token_ids, sampling_params, "final"
                 )
                 for request in requests:
-                    self.client.add_request(request)
+                    try:
+                        self.client.add_request(request)
+                    except ValueError as e:
+                        raise as_parent_error(e, request.request_id, parent_id) from e
         except BaseException:
             self.client.abort_requests(self.processor.abort(parent_ids))
             raise

@@ -7,16 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import traceback
 
 import httpx
 import pytest
 
 from v1engine.config import EngineConfig
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.async_llm import AsyncLLM
-from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.api_server import build_app, build_state
+from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.protocol import CompletionResponse
+from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.executor.errors import RemoteFailure, WorkerError
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from v1engine.sampling_params import SamplingParams
 from v1engine.serve import make_arg_parser
@@ -24,6 +31,8 @@ from v1engine.serve import make_arg_parser
 
 class FakeClient:
     """The AsyncMPClient surface: records adds and aborts; the test feeds outputs."""
+
+    info = EngineCoreInfo(num_blocks=64, block_size=16, max_model_len=2048, vocab_size=49152)
 
     def __init__(self, refuse_after: int | None = None) -> None:
         self.added: list = []
@@ -108,6 +117,29 @@ def test_engine_death_fails_requests_turns_health_503_and_stops_the_server(token
     assert dead_calls == [True]
 
 
+def _worker_fault() -> None:
+    raise RuntimeError("boom reading /srv/models/x.bin")
+
+
+def test_a_dead_engines_reason_reaches_clients_as_one_line_without_paths():
+    # The shape the engine core sends: a crashed loop's traceback around a worker's.
+    try:
+        _worker_fault()
+    except RuntimeError as e:
+        failure = RemoteFailure.from_exception(1, e)
+    try:
+        raise WorkerError("execute_model", [failure])
+    except WorkerError:
+        reason = f"the engine core died: the engine core loop crashed:\n{traceback.format_exc()}"
+    summary = summarize_dead_reason(reason)
+    assert summary == (
+        "the engine core died: the engine core loop crashed: WorkerError: "
+        "collective_rpc('execute_model') failed on rank 1: rank 1: RuntimeError: boom reading "
+        "<path>"
+    )
+    assert summarize_dead_reason(summary) == summary
+
+
 def test_stop_string_finishes_the_request_and_aborts_it_in_the_core(tokenizer):
     token_ids = tokenizer.encode(" one two three four")
 
@@ -174,7 +206,57 @@ def test_a_refused_child_leaves_nothing_running(tokenizer):
     assert not engine._queues
 
 
-def test_every_engine_arg_is_a_flag():
+class BrokenClient(FakeClient):
+    async def add_request(self, request) -> None:
+        raise RuntimeError("a bug in /srv/v1engine/engine/core_client.py")
+
+
+def test_an_unexpected_error_is_a_short_500_logged_once(tokenizer):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("v1engine").addHandler(handler)
+
+    async def scenario():
+        engine, http, _ = _make(tokenizer, BrokenClient())
+        response = await http.post("/v1/completions", json=_body())
+        health = await http.get("/health")
+        await engine.stop()
+        return response, health
+
+    try:
+        response, health = asyncio.run(scenario())
+    finally:
+        logging.getLogger("v1engine").removeHandler(handler)
+    assert response.status_code == 500 and health.status_code == 200
+    error = response.json()["error"]
+    assert error["message"] == "internal server error; the server log has the details"
+    (logged,) = [record for record in records if record.exc_info]
+    assert logged.getMessage() == "unexpected error serving POST /v1/completions"
+
+
+def test_a_stream_that_fails_ends_with_an_error_event(tokenizer, monkeypatch):
+    async def failing_chunks(self, request_id, outputs, request):
+        yield CompletionResponse(id=request_id, model="m", choices=[])
+        raise RuntimeError("a bug in /srv/v1engine/entrypoints/openai/serving_completion.py")
+
+    monkeypatch.setattr(OpenAIServingCompletion, "_stream_chunks", failing_chunks)
+
+    async def scenario():
+        engine, http, _ = _make(tokenizer, FakeClient())
+        response = await http.post("/v1/completions", json=_body(stream=True))
+        await engine.stop()
+        return response
+
+    response = asyncio.run(scenario())
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"] == []
+    error = json.loads(events[1])["error"]
+    assert error["message"] == "internal server error; the server log has the details"
+    assert events[2:] == ["[DONE]"]
+
+
+def test_every_engine_arg_and_request_limit_is_a_flag():
     parser = make_arg_parser()
     args = parser.parse_args([])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
@@ -182,3 +264,8 @@ def test_every_engine_arg_is_a_flag():
     args = parser.parse_args(["--tensor-parallel-size", "2", "--no-enable-prefix-caching"])
     assert EngineArgs.from_cli_args(args).tensor_parallel_size == 2
     assert EngineArgs.from_cli_args(args).enable_prefix_caching is False
+    limits = RequestLimits.from_cli_args(parser.parse_args(["--max-n", "4"]))
+    assert limits == RequestLimits(max_n=4)
+    assert RequestLimits.from_cli_args(args) == RequestLimits()
+    with pytest.raises(ValueError, match="--max-request-body-bytes must be >= 1"):
+        RequestLimits(max_request_body_bytes=0)

@@ -197,7 +197,7 @@ def test_error_statuses(server, client):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=0, max_tokens=1
         )
-    with pytest.raises(openai.BadRequestError, match="logprobs must be in"):
+    with pytest.raises(openai.BadRequestError, match="--max-logprobs"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=1, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)

@@ -1,5 +1,7 @@
 """The server under faults, each with its own server subprocess: a worker SIGKILLed while streams
-are open, and SIGTERM during load. Nothing may hang and nothing may be left behind.
+are open, a worker raising in `execute_model`, and SIGTERM during load. Nothing may hang and nothing
+may be left behind; clients are told the engine died in one line, and the server log holds the
+traceback once.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ import os
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
+from tests.entrypoints.openai.faulty_worker import FAULT_MESSAGE, TRIGGER
 from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.timeouts import scaled
 
 MODEL = "tiny"
 NUM_STREAMS = 20
@@ -92,3 +97,48 @@ def test_sigterm_during_load_exits_cleanly(server):
     assert server.proc.wait(60) == 0, server.log_text()[-3000:]
     server.assert_gone()
     assert "server stopped" in server.log_text()
+
+
+@pytest.fixture
+def faulty_server(tiny_model, tmp_path):
+    worker_cls = "tests.entrypoints.openai.faulty_worker.FaultyWorker"
+    args = ("--served-model-name", MODEL, "--worker-cls", worker_cls)
+    remote = RemoteServer(tiny_model, str(tmp_path), *args, tp=1)
+    try:
+        yield remote.wait_ready()
+    finally:
+        remote.kill()
+
+
+async def _streams_then_fault(server: RemoteServer) -> tuple[list, httpx.Response]:
+    """Four streams and one whole request running, then the request that makes the worker raise;
+    returns their results and the faulting request's response."""
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=scaled(60)
+    ) as client:
+        events = [asyncio.Event() for _ in range(4)]
+        tasks = [asyncio.create_task(_open_stream(client, 240, e)) for e in events]
+        tasks.append(asyncio.create_task(_complete_whole(client, 240)))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), scaled(60))
+        async with httpx.AsyncClient(base_url=server.url, timeout=scaled(60)) as http:
+            body = {"model": MODEL, "prompt": TRIGGER, "max_tokens": 1}
+            fault = await http.post("/v1/completions", json=body)
+        return await asyncio.wait_for(asyncio.gather(*tasks), scaled(60)), fault
+
+
+def test_engine_death_tells_clients_in_one_line_and_logs_the_traceback_once(faulty_server):
+    results, fault = asyncio.run(_streams_then_fault(faulty_server))
+    assert fault.status_code == 503
+    messages = [fault.json()["error"]["message"]]
+    assert [status for status, _ in results] == ["error"] * 5
+    messages += [error.message for _, error in results]
+    for message in messages:
+        assert "engine is dead" in message and FAULT_MESSAGE in message, message
+        assert "Traceback" not in message and 'File "' not in message, message
+        assert ".py" not in message and "\n" not in message, message
+    assert faulty_server.proc.wait(scaled(60)) == 1
+    faulty_server.assert_gone()
+    log = faulty_server.log_text()
+    # The frame that raised, printed once: the engine core logs the traceback, nobody again.
+    assert log.count('faulty_worker.py", line') == 1, log[-5000:]
+    assert "exiting with status 1" in log

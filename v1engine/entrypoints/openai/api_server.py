@@ -30,10 +30,12 @@ from v1engine import __version__
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
+from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
 from v1engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,6 +64,7 @@ class ServerState:
     chat: OpenAIServingChat
     metrics: ServerMetrics
     model_path: str
+    limits: RequestLimits
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def _state(raw_request: Request) -> ServerState:
 async def health(raw_request: Request) -> Response:
     engine = _state(raw_request).engine
     if engine.dead_reason is not None:
-        return APIError.engine_dead(engine.dead_reason).to_response()
+        return APIError.engine_dead(summarize_dead_reason(engine.dead_reason)).to_response()
     return Response(status_code=HTTPStatus.OK)
 
 
@@ -139,21 +142,32 @@ class APIKeyMiddleware:
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="v1engine", version=__version__)
     app.state.server = state
-    install_error_handlers(app)
     app.include_router(router)
+    # The last added runs first: errors wrap everything, and the key is checked before the body
+    # is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_request_body_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    install_error_handlers(app)
     return app
 
 
-def build_state(engine: AsyncLLM, tokenizer: Any, names: list[str], model_path: str) -> ServerState:
+def build_state(
+    engine: AsyncLLM,
+    tokenizer: Any,
+    names: list[str],
+    model_path: str,
+    limits: RequestLimits | None = None,
+) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
+    limits = limits or RequestLimits()
     return ServerState(
         engine=engine,
-        completion=OpenAIServingCompletion(engine, tokenizer, names, max_model_len),
-        chat=OpenAIServingChat(engine, tokenizer, names, max_model_len),
+        completion=OpenAIServingCompletion(engine, tokenizer, names, max_model_len, limits),
+        chat=OpenAIServingChat(engine, tokenizer, names, max_model_len, limits),
         metrics=engine.metrics,
         model_path=model_path,
+        limits=limits,
     )
 
 
@@ -167,6 +181,7 @@ def run_server(args: argparse.Namespace) -> int:
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine_args = EngineArgs.from_cli_args(args)
+    limits = RequestLimits.from_cli_args(args)
     if engine_args.model is None:
         from v1engine.model.hf_config import default_model_path
 
@@ -184,6 +199,7 @@ def run_server(args: argparse.Namespace) -> int:
                 tokenizer,
                 names,
                 engine_args.model,
+                limits,
             )
             return asyncio.run(_serve(args, state, sock))
         finally:
@@ -219,7 +235,8 @@ async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int
         await engine.stop()
         engine.client.shutdown()
     if engine_died:
-        logger.error("exiting with status 1: the engine died (%s)", engine.dead_reason)
+        reason = summarize_dead_reason(engine.dead_reason or "")
+        logger.error("exiting with status 1: the engine died (%s)", reason)
         return 1
     logger.info("server stopped")
     return 0

@@ -2,13 +2,15 @@
 
 Requests ignore fields they do not know (as OpenAI's SDKs may send newer ones); value checks are
 left to `SamplingParams`, whose errors name the field, so one set of rules serves `LLM` and HTTP.
+The models check only what must hold before that: JSON types, finite floats (JSON parsing accepts
+NaN and Infinity), integers that fit the engine's 64-bit fields, and OpenAI's message roles.
 Beside OpenAI's fields, requests take vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, ...).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,10 +18,14 @@ from v1engine.sampling_params import SamplingParams
 
 # One prompt: text or token ids; a completion request may also send a list of prompts.
 Prompt = str | list[int]
+# What msgpack and torch's int64 hold (vLLM bounds `seed` the same way).
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# OpenAI's roles; it answers any other with a 400, as this server does.
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -33,23 +39,28 @@ class _SamplingFields(_Request):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM's extras.
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's; not supported, refused when given
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -61,7 +72,7 @@ class _SamplingFields(_Request):
             top_k=self.top_k,
             min_p=self.min_p,
             seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=self.stop_list,
             stop_token_ids=list(self.stop_token_ids or []),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
@@ -77,6 +88,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None  # top-k alternatives per token, besides the sampled one
     echo: bool = False
+    best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -84,7 +96,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Role
     # A string, or parts like [{"type": "text", "text": "..."}]; only text parts are supported.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -36,11 +37,11 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
-        self.check_model(request.model)
+        self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        self.check_num_logprobs(request.top_logprobs, "top_logprobs")
-        prompt, token_ids = self._render(request)
+        self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
+        prompt, token_ids = await asyncio.to_thread(self._render, request)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
         request_id, outputs = await self.add_request(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -28,11 +29,13 @@ from v1engine.outputs import CompletionOutput, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
-        self.check_model(request.model)
+        self.check_request(request)
         if request.echo:
             raise APIError("echo is not supported", param="echo")
-        self.check_num_logprobs(request.logprobs, "logprobs")
-        text, token_ids = self._tokenize(request.prompt)
+        if request.best_of not in (None, 1):
+            raise APIError("best_of is not supported; use n", param="best_of")
+        self.limits.check_num_logprobs(request.logprobs, "logprobs")
+        text, token_ids = await asyncio.to_thread(self._tokenize, request.prompt)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
         request_id, outputs = await self.add_request("cmpl", text, token_ids, params, output_kind)

@@ -1,8 +1,12 @@
 """OpenAIServing: what the completion and chat endpoints share.
 
-That is the model-name check, the length check against the context, adding a request to the
-AsyncLLM with its errors mapped to HTTP statuses, waiting for a final output while watching
-for the client to disconnect, server-sent events and usage.
+That is the model-name check and the server's request limits, the length check against the
+context, adding a request to the AsyncLLM with its errors mapped to HTTP statuses, waiting for a
+final output while watching for the client to disconnect, server-sent events and usage.
+
+Tokenizing a prompt and rendering a chat take time in proportion to the body (seconds for
+megabytes), so they run in a thread (`asyncio.to_thread`): the event loop keeps answering /health
+and streaming other requests meanwhile.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pydantic import BaseModel
 from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
-from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.errors import APIError, internal_error
+from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from v1engine.logger import init_logger
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -28,9 +33,6 @@ from v1engine.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
-# Most alternatives per token a request may ask for (vLLM's default max_logprobs): every step
-# sends them all from the engine, so an unbounded count would flood it.
-MAX_LOGPROBS = 20
 
 
 class OpenAIServing:
@@ -39,6 +41,7 @@ class OpenAIServing:
     tokenizer: the model's tokenizer.
     served_model_names: the names clients may send as `model`; the first is reported back.
     max_model_len: the context length, prompt and output together.
+    limits: what one request may ask for.
     """
 
     def __init__(
@@ -47,11 +50,13 @@ class OpenAIServing:
         tokenizer: Any,
         served_model_names: list[str],
         max_model_len: int,
+        limits: RequestLimits,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
+        self.limits = limits
 
     @property
     def model_name(self) -> str:
@@ -68,11 +73,15 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
-        if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                f"{param} must be in [0, {MAX_LOGPROBS}], got {num_logprobs}", param=param
-            )
+    def check_request(self, request: Any) -> None:
+        """Raises APIError (404, 400) for an unknown model, a request over the server's limits
+        or a field this server does not support; cheap checks, before any tokenizing."""
+        self.check_model(request.model)
+        if request.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs is not supported", param="prompt_logprobs")
+        self.limits.check_n(request.n)
+        vocab_size = self.engine.client.info.vocab_size
+        self.limits.check_stop(request.stop_list, request.stop_token_ids or [], vocab_size)
 
     def make_sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
         """The request's SamplingParams; by default output may fill the rest of the context.
@@ -123,9 +132,10 @@ class OpenAIServing:
                 request_id, prompt, prompt_token_ids, params, output_kind
             )
         except ValueError as e:
-            raise APIError.bad_request(e) from e
+            # What is not a sampling value is the prompt's (empty, too long, unknown token ids).
+            raise APIError.bad_request(e, "prompt" if prefix == "cmpl" else "messages") from e
         except EngineDeadError as e:
-            raise APIError.engine_dead(str(e)) from e
+            raise APIError.engine_dead(e.summary) from e
         return request_id, outputs
 
     async def wait_for_final_output(
@@ -144,7 +154,7 @@ class OpenAIServing:
             assert final is not None and final.finished
             return final
         except EngineDeadError as e:
-            raise APIError.engine_dead(str(e)) from e
+            raise APIError.engine_dead(e.summary) from e
         except RequestAbortedError as e:
             raise APIError(str(e), code="client_disconnected") from e
         finally:
@@ -163,7 +173,10 @@ class OpenAIServing:
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as e:
             logger.debug("stream %s ended by the engine's death", request_id)
-            yield APIError.engine_dead(str(e)).to_sse()
+            yield APIError.engine_dead(e.summary).to_sse()
+        except Exception:
+            logger.exception("stream %s failed", request_id)
+            yield internal_error().to_sse()
         yield SSE_DONE
 
 
