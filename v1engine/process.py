@@ -5,10 +5,11 @@ Parent side: `ChildProcess(target, args, name=..., label=..., daemon=...)` spawn
 `target(*args, ready_conn)`; `wait_until_ready(children, timeout_s)` returns each child's READY
 payload, or raises `ChildStartupError` naming the first child that failed (with its traceback),
 died (with its exit code or signal) or stayed silent; `stop_children(children, ask_to_stop)`
-asks, then sends SIGTERM, then SIGKILL. Child side: `report_startup(ready_conn, build, payload)`
-runs the child's start-up and answers READY or FAILED; `watch_parent(on_parent_death)` ends the
-child when its parent dies, even by SIGKILL; `install_sigterm_handler()` turns SIGTERM into
-SystemExit so clean-up code runs.
+asks, then sends SIGTERM, then SIGKILL; `child.terminate()` only sends SIGTERM, for a child stuck
+where no message reaches it (stop_children reaps it later). Child side:
+`report_startup(ready_conn, build, payload)` runs the child's start-up and answers READY or
+FAILED; `watch_parent(on_parent_death)` ends the child when its parent dies, even by SIGKILL;
+`install_sigterm_handler()` turns SIGTERM into SystemExit so clean-up code runs.
 
 The start-up pipe is one-way, child -> parent, and carries exactly one pickled message:
     (READY, payload)                    the child is built; the payload is the caller's (a
@@ -146,6 +147,12 @@ class ChildProcess:
     def wait_until_ready(self, timeout_s: float) -> Any:
         """This child's READY payload; see the module function."""
         return wait_until_ready([self], timeout_s)[0]
+
+    def terminate(self) -> None:
+        """Sends SIGTERM and returns at once, for a child that may be stuck where no message
+        reaches it; `stop_children` later reaps it (SIGKILL if it ignored this)."""
+        if not self._closed and self.proc.exitcode is None:
+            self.proc.terminate()
 
     def stop(self, ask_to_stop: Callable[[], bool] | None = None) -> None:
         """Ends the process; see `stop_children`."""

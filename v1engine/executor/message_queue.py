@@ -24,7 +24,9 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -41,7 +43,9 @@ from v1engine.executor.tcp_transport import (
     RemotePublisher,
     RemoteSubscriber,
     configure_socket,
+    poll_ms,
     wait_for_subscribers,
+    wait_until_sent,
 )
 from v1engine.utils import MiB_bytes
 
@@ -205,15 +209,17 @@ class MessageQueue:
         with self._op_lock:
             if self._closed:
                 raise QueueClosedError("MessageQueue.enqueue: the queue was closed")
+            deadline = None if timeout is None else time.monotonic() + timeout
             if self._ring is not None:
-                self._write_ring(frames, timeout)
+                self._write_ring(frames, timeout, deadline)
             if self._publisher is not None:
-                self._publisher.send(frames)
+                self._publisher.send(frames, deadline, lambda: self._closed)
 
-    def _write_ring(self, frames: list, timeout: float | None) -> None:
+    def _write_ring(self, frames: list, timeout: float | None, deadline: float | None) -> None:
         sizes = [memoryview(f).nbytes for f in frames]
         chunk = self._chunk
-        self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
+        is_writable = partial(self._ring.is_writable, chunk)
+        self._wait(is_writable, self._ring, "enqueue", timeout, deadline)
         view = self._ring.begin_write(chunk)
         overflow = sum(sizes) > self.max_chunk_bytes
         if overflow:
@@ -228,7 +234,7 @@ class MessageQueue:
             tracker = self._socket.send_multipart(frames, copy=False, track=True)
             # Readers must get exactly what the caller had at enqueue time, so we return
             # only once ZeroMQ is done with the caller's buffers.
-            tracker.wait()
+            wait_until_sent(tracker, deadline, lambda: self._closed)
 
     def _publish(self, chunk: int) -> None:
         self._ring.end_write(chunk)
@@ -242,7 +248,9 @@ class MessageQueue:
         """Returns the next message.
 
         Raises:
-            TimeoutError: nothing arrived within `timeout` seconds.
+            TimeoutError: nothing arrived within `timeout` seconds (an overflow message whose
+                marker came but whose frames did not stays next in line: the next dequeue
+                waits for the same message).
             QueueClosedError: the queue was closed locally or by the writer.
         """
         if self.is_writer:
@@ -255,35 +263,60 @@ class MessageQueue:
                 if frames is None:
                     raise QueueClosedError("MessageQueue.dequeue: the queue was closed")
                 return deserialize(frames)
+            deadline = None if timeout is None else time.monotonic() + timeout
             chunk, rank = self._chunk, self.rank
-            self._wait(lambda: self._ring.is_readable(chunk, rank), self._ring, timeout, "dequeue")
+            is_readable = partial(self._ring.is_readable, chunk, rank)
+            self._wait(is_readable, self._ring, "dequeue", timeout, deadline)
             view = self._ring.chunk_view(chunk)
+            if struct.unpack_from("<I", view, 0)[0] != _OVERFLOW:
+                try:
+                    return unpack_frames(view)
+                finally:
+                    del view
+                    self._release(chunk, rank)  # even if unpickling failed: no writer stall
+            del view
+            # The chunk is released only once the frames came: after a timeout the next
+            # dequeue waits for the same message, so none is skipped or taken for another.
+            frames = self._recv_overflow(deadline, timeout)
             try:
-                if struct.unpack_from("<I", view, 0)[0] == _OVERFLOW:
-                    return deserialize(self._recv_overflow())
-                return unpack_frames(view)
+                return deserialize(frames)
             finally:
-                # Release the chunk even if unpickling failed, or the writer would stall.
-                del view
-                self._ring.end_read(chunk, rank)
-                full_fence()
-                if self._ring.writer_sleeping():
-                    futex_wake(self._ring.read_seq_addr)
-                self._chunk = (chunk + 1) % self._ring.max_chunks
+                self._release(chunk, rank)
 
-    def _recv_overflow(self) -> list[memoryview]:
+    def _release(self, chunk: int, rank: int) -> None:
+        self._ring.end_read(chunk, rank)
+        full_fence()
+        if self._ring.writer_sleeping():
+            futex_wake(self._ring.read_seq_addr)
+        self._chunk = (chunk + 1) % self._ring.max_chunks
+
+    def _recv_overflow(self, deadline: float | None, timeout: float | None) -> list[memoryview]:
         # The writer sends the frames right after the marker; poll in slices so a close() or a
-        # dead writer cannot leave us blocked in ZeroMQ forever.
-        while not self._socket.poll(int(_SLEEP_SLICE_S * 1000)):
+        # dead writer cannot leave us blocked in ZeroMQ forever, and stop at the deadline.
+        while not self._socket.poll(poll_ms(deadline, _SLEEP_SLICE_S)):
             self._check_open(self._ring, "dequeue")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"MessageQueue.dequeue timed out after {timeout:.3g} s waiting for a message "
+                    "over ZeroMQ whose marker is in the ring; a message published before the "
+                    "reader subscribed is lost (pass wait_until_ready first)"
+                )
         return [f.buffer for f in self._socket.recv_multipart(copy=False)]
 
     # -- waiting ----------------------------------------------------------------------------
-    def _wait(self, ready, ring: ShmRingBuffer, timeout: float | None, op: str) -> None:
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        ring: ShmRingBuffer,
+        op: str,
+        timeout: float | None,
+        deadline: float | None,
+    ) -> None:
+        """Returns once `ready()`; `deadline` (time.monotonic) is `timeout` s after the
+        operation began, so the whole operation keeps to its timeout."""
         if ready():
             return
         start = time.perf_counter()
-        deadline = None if timeout is None else start + timeout
         # Spin politely: yielding hands the core to the process we are waiting for when both
         # share it, and a message that arrives now costs no sleep and no wake-up call.
         spin_until = start + self.spin_s
@@ -303,7 +336,7 @@ class MessageQueue:
                 self._check_open(ring, op)
                 remaining = _SLEEP_SLICE_S
                 if deadline is not None:
-                    remaining = min(remaining, deadline - time.perf_counter())
+                    remaining = min(remaining, deadline - time.monotonic())
                     if remaining <= 0:
                         raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
                 futex_wait(seq_addr, seq, remaining)
@@ -329,7 +362,8 @@ class MessageQueue:
                 wait_for_subscribers(self._socket, n_local, deadline)
             if self._publisher is not None:
                 self._publisher.wait_for_subscribers(self._handle.n_reader - n_local, deadline)
-            self.enqueue(_READY, timeout=timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.enqueue(_READY, timeout=left)
             return
         message = self.dequeue(timeout=timeout)
         if message != _READY:
