@@ -23,7 +23,8 @@ COLLECTIVE = "tests.executor.rpc_worker.CollectiveWorker"
 
 @pytest.fixture
 def executor(request):
-    executor = MultiprocExecutor(make_config(tp=getattr(request, "param", 2), worker_cls=COLLECTIVE))
+    tp = getattr(request, "param", 2)
+    executor = MultiprocExecutor(make_config(tp=tp, worker_cls=COLLECTIVE))
     yield executor
     executor.shutdown()
 
@@ -53,8 +54,7 @@ def test_a_step_failing_on_one_rank_fails_at_once_and_ends_the_group(executor):
     silent = ", ".join(f"rank {r}" for r in range(world_size) if r != 1)
     assert f"{silent} did not answer" in text and "stopped every worker" in text
     assert info.value.summary == (
-        "collective_rpc('execute_model') failed on rank 1 (RuntimeError: injected fault on "
-        "rank 1)"
+        "collective_rpc('execute_model') failed on rank 1 (RuntimeError: injected fault on rank 1)"
     )
     with pytest.raises(WorkerDiedError, match="worker rank 1 .*'get_rank'"):
         queued.result(timeout=scaled(5))
