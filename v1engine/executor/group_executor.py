@@ -220,10 +220,10 @@ class GroupExecutor(Executor):
                 f"{ranks} did not answer{waited}, presumably stuck in a collective with the "
                 "failed rank"
             )
-        note = f"({why}; the executor stopped every worker: start a new engine)"
+        note = f"{why}; the executor stopped every worker: start a new engine"
         pending.future.set_exception(WorkerError(name, failures, note))
         rank = failures[0].rank
-        logger.error("worker rank %d failed in collective_rpc(%r); %s", rank, name, note)
+        logger.error("worker rank %d failed in collective_rpc(%r): %s", rank, name, note)
         self._group.abort(rank, f"it raised in collective_rpc({name!r}) and the group was stopped")
         self._fail_pending()
 
