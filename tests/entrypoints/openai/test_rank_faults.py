@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -22,20 +23,21 @@ MODEL = "tiny"
 NUM_STREAMS = 6
 
 
-async def _watch_health(client: httpx.AsyncClient, codes: list[int]) -> None:
-    """Polls /health on one kept-alive connection until the server stops answering, keeping the
-    codes seen. The server answers 503 from the engine's death until it stops accepting (its
-    next tick, up to 0.1 s), so the poll runs often."""
-    while True:
+async def _watch_health(client: httpx.AsyncClient, seen: list, stop: asyncio.Event) -> None:
+    """Polls /health on one kept-alive connection until `stop`, keeping (when the request was
+    sent, its status or None when the server did not answer)."""
+    while not stop.is_set():
+        sent_at = time.monotonic()
         try:
-            codes.append((await client.get("/health")).status_code)
+            code = (await client.get("/health")).status_code
         except httpx.HTTPError:
-            if codes and codes[-1] != 200:
-                return  # 503, then gone: the server is exiting
+            code = None
+        seen.append((sent_at, code))
         await asyncio.sleep(0.005)
 
 
-async def _stream(client: openai.AsyncOpenAI, started: asyncio.Event) -> openai.APIError | None:
+async def _stream(client: openai.AsyncOpenAI, started: asyncio.Event) -> tuple[float, Any]:
+    """Streams one completion; returns when it ended and its error (None if it finished)."""
     try:
         stream = await client.completions.create(
             model=MODEL, prompt="Once upon a time", max_tokens=200, stream=True,
@@ -44,14 +46,27 @@ async def _stream(client: openai.AsyncOpenAI, started: asyncio.Event) -> openai.
         async for _ in stream:
             started.set()
     except openai.APIError as e:
-        return e
-    return None
+        return time.monotonic(), e
+    return time.monotonic(), None
+
+
+async def _complete(client: openai.AsyncOpenAI) -> tuple[float, Any]:
+    """One whole (non-streaming) completion: its end and its error, like `_stream`."""
+    try:
+        await client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=200, extra_body={"ignore_eos": True}
+        )
+    except openai.APIError as e:
+        return time.monotonic(), e
+    return time.monotonic(), None
 
 
 async def _fault_while_streaming(server: RemoteServer, model_dir: str, action: str) -> tuple:
-    """Opens the streams, arms the fault once each has output; returns the seconds from the
-    fault to the last stream's end, each stream's error, and the /health codes seen."""
-    codes: list[int] = []
+    """Opens the streams and one whole request, arms the fault once each stream has output,
+    and waits for the server to exit; returns when the fault was armed, every request's end
+    and error (the whole request's last), and the /health polls."""
+    health: list[tuple[float, int | None]] = []
+    stop = asyncio.Event()
     async with (
         openai.AsyncOpenAI(
             base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=scaled(60)
@@ -60,14 +75,16 @@ async def _fault_while_streaming(server: RemoteServer, model_dir: str, action: s
     ):
         events = [asyncio.Event() for _ in range(NUM_STREAMS)]
         tasks = [asyncio.create_task(_stream(client, e)) for e in events]
+        tasks.append(asyncio.create_task(_complete(client)))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), scaled(60))
-        watch = asyncio.create_task(_watch_health(health_client, codes))
+        watch = asyncio.create_task(_watch_health(health_client, health, stop))
         inject_fault(model_dir, action)
         armed_at = time.monotonic()
-        errors = await asyncio.wait_for(asyncio.gather(*tasks), scaled(60))
-        elapsed = time.monotonic() - armed_at
-        await asyncio.wait_for(watch, scaled(30))
-        return elapsed, errors, codes
+        results = await asyncio.wait_for(asyncio.gather(*tasks), scaled(60))
+        await asyncio.to_thread(server.proc.wait, scaled(60))
+        stop.set()
+        await watch
+        return armed_at, results, health
 
 
 def run_fault(model_dir: str, log_dir: str, action: str, *args: str, tp: int = 2) -> str:
@@ -78,14 +95,20 @@ def run_fault(model_dir: str, log_dir: str, action: str, *args: str, tp: int = 2
     )  # fmt: skip
     try:
         server.wait_ready()
-        elapsed, errors, codes = asyncio.run(_fault_while_streaming(server, model_dir, action))
-        assert elapsed < scaled(5), elapsed
-        for error in errors:
+        armed_at, results, health = asyncio.run(_fault_while_streaming(server, model_dir, action))
+        assert max(end for end, _ in results) - armed_at < scaled(5)
+        for _, error in results:
             assert isinstance(error, openai.APIError), error
             assert "rank 1" in error.message, error.message
             assert "Traceback" not in error.message and "fault_worker.py" not in error.message
-        assert 503 in codes, codes
-        assert server.proc.wait(scaled(60)) == 1, server.log_text()[-3000:]
+        whole_error = results[-1][1]
+        assert isinstance(whole_error, openai.APIStatusError) and whole_error.status_code == 503
+        # Once a client has heard of the death, /health never says 200 again: it says 503
+        # until the server stops accepting (one uvicorn tick, up to 0.1 s, so a poll may miss
+        # that window), then nothing.
+        died_at = min(end for end, _ in results)
+        assert {code for sent_at, code in health if sent_at > died_at} <= {503, None}, health
+        assert server.proc.returncode == 1, server.log_text()[-3000:]
         server.assert_gone(scaled(15))
         return server.log_text()
     finally:
