@@ -119,9 +119,12 @@ class Executor(ABC):
 
         Raises:
             ValueError: a method the workers cannot run (nothing is broadcast).
-            WorkerError: a worker raised; names every failing rank with its traceback.
+            WorkerError: a worker raised; names every failing rank with its traceback. When
+                the failure left other ranks stuck (they did not answer within a grace), the
+                worker group is ended too and later calls raise WorkerDiedError
+                (group_executor.py's module doc has the rule).
             TimeoutError: no reply within `timeout`; names the method and the silent ranks.
-            WorkerDiedError: a worker process exited.
+            WorkerDiedError: a worker process exited, or the group was ended.
         """
         return self.run_rpc(RpcCall(method, args, kwargs, timeout, unique_reply_rank), non_block)
 
