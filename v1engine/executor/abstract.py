@@ -132,9 +132,10 @@ class Executor(ABC):
         """`collective_rpc` with the call already built (by EngineCore, or from the wire).
 
         Args:
-            lockstep: the ranks run the call in lockstep, meeting in collectives (a model
-                forward), so one rank's error ends the worker group at once instead of after
-                a grace for the others' answers (group_executor.py's module doc).
+            lockstep: the ranks run the call in step, meeting in collectives (a model
+                forward), so after one rank's error the others get a short grace to answer
+                before they are presumed stuck and the group is ended (group_executor.py's
+                module doc).
         """
         call.check(self.worker_cls, self.world_size)
         return self._run_rpc(call, non_block, lockstep)
@@ -149,7 +150,7 @@ class Executor(ABC):
 
     # -- the engine's view of its workers ---------------------------------------------------
     # The calls that run the model (profiling, warm-up, steps) are lockstep: their ranks meet in
-    # the forward's all-reduces, and the engine cannot go on after any of them failed.
+    # the forward's all-reduces, so one that fails strands the others at once.
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
         return self.collective_rpc("get_kv_cache_spec")
 

@@ -15,18 +15,18 @@ RPC call semantics:
   more than _POLL_SLICE_S while another rank's reply may be waiting.
 - Failures that strand the others: a rank that raised has left the call, but its peers may be
   blocked in one of the call's collectives (an all-reduce) waiting for it, where no message can
-  reach them; they will never answer, and the group cannot run another call. So:
-  * a lockstep call (`lockstep=True`: the engine's steps and the other calls that run the model,
-    see Executor) fails as soon as one rank reports an error, without waiting for the others,
-    and the group is ended: a failed step leaves the ranks out of step even when all answered;
-  * any other call (a user's method, which may well fail on every rank alike, e.g. for a bad
-    argument) waits PEER_GRACE_S after the first error, or until its deadline if sooner, for
-    the ranks yet to answer. If they all answer, the WorkerError leaves the group usable; if
-    one stays silent, it is presumed stuck in a collective with the failed rank: the call
-    fails with a WorkerError that says so, and the group is ended.
-  Ending the group (`WorkerGroupBase.abort`) kills the workers at once (SIGTERM or ray.kill:
-  they may be stuck in gloo or NCCL) and fails every pending and later call with
-  WorkerDiedError naming the rank that failed.
+  reach them; they will never answer, and the group cannot run another call. So a call fails
+  as soon as one rank reports an error, once the ranks yet to answer had a grace to do so:
+  ranks that fail alike (a bad argument, a request every rank refuses) answer at about the same
+  time, stranded ones never. The grace is LOCKSTEP_GRACE_S for lockstep calls (`lockstep=True`:
+  the engine's steps and the other calls that run the model, whose ranks run in step, see
+  Executor) and PEER_GRACE_S for any other call (a user's method may take longer on one rank
+  than on another), or the call's deadline if sooner. If every rank answered, no rank can be
+  inside a collective: the WorkerError leaves the group usable. If one stayed silent, it is
+  presumed stuck: the call fails with a WorkerError that says so, and the group is ended
+  (`WorkerGroupBase.abort`): the workers are killed at once (SIGTERM or ray.kill: they may be
+  stuck in gloo or NCCL), and every pending and later call raises WorkerDiedError naming the
+  rank that failed.
 - Timeouts: a call not complete by its deadline fails with a TimeoutError naming the method and
   the silent ranks, and is abandoned; its late replies carry a call_id smaller than any pending
   call's and are dropped when read.
@@ -60,8 +60,9 @@ logger = init_logger(__name__)
 # How long a reader blocks on one rank's queue while other ranks are silent too: bounds how late
 # an error from another rank is seen while this one is still busy (e.g. in an all-reduce).
 _POLL_SLICE_S = 0.05
-# After one rank failed a call that is not lockstep, how long the others may take to answer
-# before they are presumed stuck in a collective with it (see the module doc).
+# After one rank failed a call, how long the others may take to answer before they are presumed
+# stuck in a collective with it (see the module doc): lockstep calls, and any other.
+LOCKSTEP_GRACE_S = 1.0
 PEER_GRACE_S = 5.0
 
 
@@ -79,7 +80,11 @@ class _PendingCall:
     def record(self, rank: int, ok: bool, payload: Any) -> None:
         self.replies[rank] = (ok, payload)
         if not ok and self.grace_end is None:
-            self.grace_end = time.monotonic() + (0.0 if self.lockstep else PEER_GRACE_S)
+            self.grace_end = time.monotonic() + self.grace_s
+
+    @property
+    def grace_s(self) -> float:
+        return LOCKSTEP_GRACE_S if self.lockstep else PEER_GRACE_S
 
     def failures(self) -> list[RemoteFailure]:
         return sorted((p for ok, p in self.replies.values() if not ok), key=lambda f: f.rank)
@@ -160,7 +165,7 @@ class GroupExecutor(Executor):
             self._fail_pending()
             return
         self._pending.popleft()
-        if pending.failures() and (silent or pending.lockstep):
+        if pending.failures() and silent:
             self._end_group(pending, silent)
         else:
             _complete(pending)
@@ -211,16 +216,12 @@ class GroupExecutor(Executor):
         """Fails `pending` with its ranks' errors, then ends the group (module doc)."""
         failures = pending.failures()
         name = pending.rpc.name
-        if not silent:
-            why = "a failed lockstep call leaves the workers out of step"
-        else:
-            ranks = ", ".join(f"rank {r}" for r in silent)
-            waited = "" if pending.lockstep else f" within {PEER_GRACE_S:.3g} s"
-            why = (
-                f"{ranks} did not answer{waited}, presumably stuck in a collective with the "
-                "failed rank"
-            )
-        note = f"{why}; the executor stopped every worker: start a new engine"
+        ranks = ", ".join(f"rank {r}" for r in silent)
+        note = (
+            f"{ranks} did not answer within {pending.grace_s:.3g} s, presumably stuck in a "
+            "collective with the failed rank; the executor stopped every worker: start a new "
+            "engine"
+        )
         pending.future.set_exception(WorkerError(name, failures, note))
         rank = failures[0].rank
         logger.error("worker rank %d failed in collective_rpc(%r): %s", rank, name, note)
