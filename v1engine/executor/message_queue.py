@@ -190,6 +190,7 @@ class MessageQueue:
         self.max_chunk_bytes = self._handle.max_chunk_bytes
         self._chunk = 0
         self._closed = False
+        self._close_lock = threading.Lock()
         self._op_lock = threading.Lock()
 
     def export_handle(self) -> Handle:
@@ -372,11 +373,13 @@ class MessageQueue:
     def close(self) -> None:
         """Idempotent. Wakes every local thread blocked on this queue; the writer's close also
         makes readers in other processes raise QueueClosedError, and removes the shared memory
-        and the socket file.
+        and the socket file. Threads may race to close (an executor ending its worker group
+        while another shuts it down): one closes, the others return.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         ring = self._ring
         if ring is not None:
             if self.is_writer:
