@@ -151,21 +151,19 @@ class GroupExecutor(Executor):
         silent = self._silent_ranks(pending)
         try:
             while silent:
-                now = time.monotonic()
-                if pending.grace_end is not None and now >= _earliest(
-                    pending.grace_end, target.deadline
-                ):
-                    break  # stranded: handled below
-                if target.deadline is not None and now >= target.deadline:
+                until = _earliest(pending.grace_end, target.deadline)
+                if until is not None and time.monotonic() >= until:
+                    if pending.grace_end is not None:
+                        break  # stranded: handled below
                     self._abandon(target)
                     return
-                self._read_any(pending, silent, _earliest(pending.grace_end, target.deadline))
-                silent = self._silent_ranks(pending)
+                self._read_any(pending, silent, until)
+                silent = [r for r in silent if r not in pending.replies]
         except QueueClosedError:
             self._fail_pending()
             return
         self._pending.popleft()
-        if pending.failures() and silent:
+        if silent:  # only a failure ends the loop early
             self._end_group(pending, silent)
         else:
             _complete(pending)
@@ -176,30 +174,28 @@ class GroupExecutor(Executor):
     def _read_any(self, pending: _PendingCall, silent: list[int], until: float | None) -> None:
         """Reads one reply of `pending` from any of the `silent` ranks, or returns at `until`
         (a monotonic time; None: no limit) without one."""
-        first, *others = silent
         left = None if until is None else max(0.0, until - time.monotonic())
-        if others:  # block on one queue only briefly, then look at the others
+        if len(silent) > 1:  # block on one queue only briefly, then look at the others
             left = _POLL_SLICE_S if left is None else min(left, _POLL_SLICE_S)
-        if self._read_reply(first, pending, left) or not others:
+        if self._read_reply(silent[0], pending, left) or len(silent) == 1:
             return
-        for rank in others:
+        for rank in silent[1:]:
             if self._read_reply(rank, pending, 0.0):
                 return
 
     def _read_reply(self, rank: int, pending: _PendingCall, timeout: float | None) -> bool:
         """Waits up to `timeout` s for `rank`'s reply to `pending`; True once recorded."""
         mq = self._group.response_mqs[rank]
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                call_id, ok, payload = mq.dequeue(timeout=left)
+                call_id, ok, payload = mq.dequeue(timeout=timeout)
             except TimeoutError:
                 return False
             if call_id == pending.call_id:
                 pending.record(rank, ok, payload)
                 return True
-            # An older call timed out and was abandoned; its late reply is dropped here.
+            # An older call timed out and was abandoned; its late reply is dropped here. Such
+            # replies are already queued, so waiting `timeout` again overshoots by nothing.
 
     def _abandon(self, pending: _PendingCall) -> None:
         silent = self._silent_ranks(pending)
@@ -275,9 +271,11 @@ class GroupExecutor(Executor):
             self._collect_queue.put(None)
 
 
-def _earliest(*times: float | None) -> float | None:
-    known = [t for t in times if t is not None]
-    return min(known) if known else None
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The earlier of two times, where None is never."""
+    if a is None or b is None:
+        return b if a is None else a
+    return min(a, b)
 
 
 def _complete(pending: _PendingCall) -> None:
