@@ -18,13 +18,13 @@ the latency of back-to-back messages low, then sleeps on a futex, so an idle que
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,9 +43,10 @@ from v1engine.executor.tcp_transport import (
     RemotePublisher,
     RemoteSubscriber,
     configure_socket,
-    poll_ms,
+    recv_frames,
     wait_for_subscribers,
     wait_until_sent,
+    zmq_context,
 )
 from v1engine.utils import MiB_bytes
 
@@ -129,7 +130,7 @@ class MessageQueue:
             self._init_ring(n_local, max_chunk_bytes + _HEADER_SLACK, max_chunks)
         self._publisher = None
         if n_local < n_reader:
-            self._publisher = RemotePublisher(_zmq_context(), remote_host)
+            self._publisher = RemotePublisher(zmq_context(), remote_host)
         self._subscriber: RemoteSubscriber | None = None
         self._handle = Handle(
             n_reader=n_reader,
@@ -149,7 +150,7 @@ class MessageQueue:
         )
         name = os.path.basename(self._ring.path)
         self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
-        self._socket = _zmq_context().socket(zmq.XPUB)
+        self._socket = zmq_context().socket(zmq.XPUB)
         configure_socket(self._socket)
         # Every reader's subscription must reach us, not just the first (see wait_until_ready).
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -168,7 +169,7 @@ class MessageQueue:
         self.ipc_dir = handle.ipc_dir
         self._publisher = self._ring = self._socket = self._subscriber = None
         if rank >= handle.n_local_reader:
-            self._subscriber = RemoteSubscriber(_zmq_context(), handle.remote_address)
+            self._subscriber = RemoteSubscriber(zmq_context(), handle.remote_address)
         else:
             self._ring = ShmRingBuffer(
                 handle.n_local_reader,
@@ -176,7 +177,7 @@ class MessageQueue:
                 handle.max_chunks,
                 path=handle.ring_path,
             )
-            self._socket = _zmq_context().socket(zmq.SUB)
+            self._socket = zmq_context().socket(zmq.SUB)
             configure_socket(self._socket)
             self._socket.setsockopt(zmq.SUBSCRIBE, b"")
             self._socket.connect(handle.zmq_address)
@@ -220,7 +221,7 @@ class MessageQueue:
         sizes = [memoryview(f).nbytes for f in frames]
         chunk = self._chunk
         is_writable = partial(self._ring.is_writable, chunk)
-        self._wait(is_writable, self._ring, "enqueue", timeout, deadline)
+        self._wait(is_writable, "enqueue", timeout, deadline)
         view = self._ring.begin_write(chunk)
         overflow = sum(sizes) > self.max_chunk_bytes
         if overflow:
@@ -267,7 +268,7 @@ class MessageQueue:
             deadline = None if timeout is None else time.monotonic() + timeout
             chunk, rank = self._chunk, self.rank
             is_readable = partial(self._ring.is_readable, chunk, rank)
-            self._wait(is_readable, self._ring, "dequeue", timeout, deadline)
+            self._wait(is_readable, "dequeue", timeout, deadline)
             view = self._ring.chunk_view(chunk)
             if struct.unpack_from("<I", view, 0)[0] != _OVERFLOW:
                 try:
@@ -278,7 +279,14 @@ class MessageQueue:
             del view
             # The chunk is released only once the frames came: after a timeout the next
             # dequeue waits for the same message, so none is skipped or taken for another.
-            frames = self._recv_overflow(deadline, timeout)
+            check_open = partial(self._check_open, self._ring, "dequeue")
+            frames = recv_frames(self._socket, deadline, check_open)
+            if frames is None:
+                raise TimeoutError(
+                    f"MessageQueue.dequeue timed out after {timeout:.3g} s waiting for a message "
+                    "over ZeroMQ (one published before the reader subscribed is lost: pass "
+                    "wait_until_ready first)"
+                )
             try:
                 return deserialize(frames)
             finally:
@@ -291,32 +299,13 @@ class MessageQueue:
             futex_wake(self._ring.read_seq_addr)
         self._chunk = (chunk + 1) % self._ring.max_chunks
 
-    def _recv_overflow(self, deadline: float | None, timeout: float | None) -> list[memoryview]:
-        # The writer sends the frames right after the marker; poll in slices so a close() or a
-        # dead writer cannot leave us blocked in ZeroMQ forever, and stop at the deadline.
-        while not self._socket.poll(poll_ms(deadline, _SLEEP_SLICE_S)):
-            self._check_open(self._ring, "dequeue")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"MessageQueue.dequeue timed out after {timeout:.3g} s waiting for a message "
-                    "over ZeroMQ whose marker is in the ring; a message published before the "
-                    "reader subscribed is lost (pass wait_until_ready first)"
-                )
-        return [f.buffer for f in self._socket.recv_multipart(copy=False)]
-
     # -- waiting ----------------------------------------------------------------------------
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        ring: ShmRingBuffer,
-        op: str,
-        timeout: float | None,
-        deadline: float | None,
-    ) -> None:
+    def _wait(self, ready, op: str, timeout: float | None, deadline: float | None) -> None:
         """Returns once `ready()`; `deadline` (time.monotonic) is `timeout` s after the
         operation began, so the whole operation keeps to its timeout."""
         if ready():
             return
+        ring = self._ring
         start = time.perf_counter()
         # Spin politely: yielding hands the core to the process we are waiting for when both
         # share it, and a message that arrives now costs no sleep and no wake-up call.
@@ -391,7 +380,8 @@ class MessageQueue:
                 if end is not None:
                     end.close()
         if self.is_writer and ring is not None:
-            _remove(self._socket_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
             if self._owns_ipc_dir:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
@@ -407,21 +397,3 @@ class MessageQueue:
 def ring_name_prefix(ipc_dir: str) -> str:
     # The ipc directory's name is unique per engine (mkdtemp), so it names the engine's rings.
     return os.path.basename(os.path.normpath(ipc_dir)) + "-"
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-_context: zmq.Context | None = None
-
-
-def _zmq_context() -> zmq.Context:
-    # Two I/O threads let a writer feed two readers' sockets at once for overflow messages.
-    global _context
-    if _context is None:
-        _context = zmq.Context(io_threads=2)
-    return _context

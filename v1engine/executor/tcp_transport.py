@@ -1,4 +1,5 @@
-"""The TCP leg of MessageQueue, for readers on another node.
+"""The ZeroMQ side of MessageQueue: the TCP leg for readers on another node, and the socket
+helpers the ring's overflow path shares with it (every wait keeps to a deadline).
 
 A reader on another node cannot see the writer's shared memory, so the writer also publishes
 every message on a ZeroMQ XPUB socket bound to TCP on its node's address, and each remote reader
@@ -23,6 +24,7 @@ from v1engine.utils import MiB_bytes
 _CLOSE_FRAME = b""
 _POLL_SLICE_S = 0.1  # how soon a blocked reader notices a local close()
 _CLOSE_LINGER_MS = 200  # lets the close marker leave before the socket goes
+_context: zmq.Context | None = None
 
 
 def configure_socket(socket: zmq.Socket) -> None:
@@ -32,6 +34,27 @@ def configure_socket(socket: zmq.Socket) -> None:
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.SNDBUF, 4 * MiB_bytes)
     socket.setsockopt(zmq.RCVBUF, 4 * MiB_bytes)
+
+
+def zmq_context() -> zmq.Context:
+    """The process's one context. Two I/O threads let a writer feed two readers' sockets at
+    once (overflow messages)."""
+    global _context
+    if _context is None:
+        _context = zmq.Context(io_threads=2)
+    return _context
+
+
+def recv_frames(
+    socket: zmq.Socket, deadline: float | None, check_open: Callable[[], None]
+) -> list | None:
+    """The next message's frames, polling in slices so that `check_open()` (which raises once
+    the queue closed) runs between them; None once `deadline` (time.monotonic) passed."""
+    while not socket.poll(poll_ms(deadline, _POLL_SLICE_S)):
+        check_open()
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+    return [f.buffer for f in socket.recv_multipart(copy=False)]
 
 
 def poll_ms(deadline: float | None, slice_s: float) -> int:
