@@ -150,7 +150,7 @@ class Executor(ABC):
 
     # -- the engine's view of its workers ---------------------------------------------------
     # The calls that run the model (profiling, warm-up, steps) are lockstep: their ranks meet in
-    # the forward's all-reduces, so one that fails strands the others at once.
+    # the forward's all-reduces, so when one fails the others get only the short grace.
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
         return self.collective_rpc("get_kv_cache_spec")
 

@@ -192,10 +192,6 @@ class WorkerGroup(WorkerGroupBase):
         rank = next(sentinels[s] for s in ready if s in sentinels)
         return rank, self._procs[rank].exit_reason()
 
-    def _kill_workers(self) -> None:
-        """Ends every worker by force and returns at once; shutdown() reaps them later."""
-        raise NotImplementedError
-
     def _wake_monitor(self) -> None:
         self._stop_w.send(None)
 
