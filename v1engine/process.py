@@ -5,10 +5,11 @@ Parent side: `ChildProcess(target, args, name=..., label=..., daemon=...)` spawn
 `target(*args, ready_conn)`; `wait_until_ready(children, timeout_s)` returns each child's READY
 payload, or raises `ChildStartupError` naming the first child that failed (with its traceback),
 died (with its exit code or signal) or stayed silent; `stop_children(children, ask_to_stop)`
-asks, then sends SIGTERM, then SIGKILL. Child side: `report_startup(ready_conn, build, payload)`
-runs the child's start-up and answers READY or FAILED; `watch_parent(on_parent_death)` ends the
-child when its parent dies, even by SIGKILL; `install_sigterm_handler()` turns SIGTERM into
-SystemExit so clean-up code runs.
+asks, then sends SIGTERM, then SIGKILL; `child.terminate()` only sends SIGTERM, for a child stuck
+where no message reaches it (stop_children reaps it later). Child side:
+`report_startup(ready_conn, build, payload)` runs the child's start-up and answers READY or
+FAILED; `watch_parent(on_parent_death)` ends the child when its parent dies, even by SIGKILL;
+`install_sigterm_handler()` turns SIGTERM into SystemExit so clean-up code runs.
 
 The start-up pipe is one-way, child -> parent, and carries exactly one pickled message:
     (READY, payload)                    the child is built; the payload is the caller's (a
@@ -147,6 +148,12 @@ class ChildProcess:
         """This child's READY payload; see the module function."""
         return wait_until_ready([self], timeout_s)[0]
 
+    def terminate(self) -> None:
+        """Sends SIGTERM and returns at once, for a child that may be stuck where no message
+        reaches it; `stop_children` later reaps it (SIGKILL if it ignored this)."""
+        if not self._closed and self.proc.exitcode is None:
+            self.proc.terminate()
+
     def stop(self, ask_to_stop: Callable[[], bool] | None = None) -> None:
         """Ends the process; see `stop_children`."""
         stop_children([self], ask_to_stop)
@@ -218,7 +225,8 @@ def stop_children(
 
     First `ask_to_stop()` (e.g. send SHUTDOWN), which returns False when the children cannot hear
     it (still starting, or the channel is gone): then SIGTERM follows at once. Otherwise they get
-    GRACEFUL_STOP_S to exit, then SIGTERM and TERMINATE_STOP_S, then SIGKILL.
+    GRACEFUL_STOP_S to exit, then SIGTERM and TERMINATE_STOP_S, then SIGKILL and as long again;
+    a child that outlives even that (stuck in the kernel) is logged and left for a later call.
     """
     alive = [c for c in children if not c._closed and c.proc.exitcode is None]
     if alive and ask_to_stop is not None and ask_to_stop():
@@ -236,8 +244,13 @@ def stop_children(
     for child in _still_running(alive):
         logger.warning("%s (pid %d) ignored SIGTERM; killing it", child.label, child.pid)
         child.proc.kill()
-        child.proc.join()
+    _join_all(alive, TERMINATE_STOP_S)
     for child in children:
+        if not child._closed and child.proc.exitcode is None:
+            # Unkillable for now (in the kernel: a device driver, a dead file system). Its
+            # handle stays open so a later call can reap it; we must not hang here.
+            logger.error("%s (pid %d) survived SIGKILL; leaving it", child.label, child.pid)
+            continue
         child._close()
 
 

@@ -81,3 +81,37 @@ def ray_node_id(worker: WorkerBase) -> str:
 def torch_threads(worker: WorkerBase) -> int:
     """The intra-op thread count the worker settled on."""
     return torch.get_num_threads()
+
+
+class CollectiveWorker(RPCTestWorker):
+    """Joins a real gloo group, so that a rank can be stranded in an all-reduce the way a
+    model's ranks are when one of them fails in the middle of a forward."""
+
+    def init_device(self) -> None:
+        from v1engine.model.parallel_state import init_distributed
+
+        world_size = self.config.parallel_config.world_size
+        init_distributed(self.rank, world_size, self.distributed_init_method, backend="gloo")
+
+    def execute_model(self, scheduler_output: tuple[int | None, bool]) -> int:
+        """`scheduler_output` is (fail_rank, all_reduce): `fail_rank` raises; the others
+        all-reduce (and so wait there for it forever), or return at once without all_reduce."""
+        fail_rank, all_reduce = scheduler_output
+        if self.rank == fail_rank:
+            raise RuntimeError(f"injected fault on rank {self.rank}")
+        if not all_reduce:
+            return 0
+        import torch.distributed as dist
+
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor)
+        return int(tensor.item())
+
+    def all_reduce_unless(self, fail_rank: int | None) -> int:
+        """The same as a user's own method, called with collective_rpc."""
+        return self.execute_model((fail_rank, True))
+
+    def shutdown(self) -> None:
+        from v1engine.model.parallel_state import destroy_distributed
+
+        destroy_distributed()

@@ -13,6 +13,7 @@ import psutil
 import pytest
 import torch
 
+from tests.timeouts import scaled
 from v1engine.executor.message_queue import MessageQueue, QueueClosedError
 
 SMALL_CHUNK = 64 * 1024  # so the ZeroMQ overflow path is exercised with small payloads
@@ -88,9 +89,21 @@ def test_broadcast_to_reader_processes_keeps_order_and_contents(n_local_reader):
         assert got[rank] == [_portable(m) for m in sent], rank
 
 
-def _local_pair(n_reader: int = 1, **kwargs) -> tuple[MessageQueue, list[MessageQueue]]:
+def pass_ready_barrier(writer: MessageQueue, readers: list[MessageQueue]) -> None:
+    """Both sides of wait_until_ready in one process: once it returned, every reader's ZeroMQ
+    subscription is in, so no overflow message can be published before it (and lost)."""
+    thread = threading.Thread(target=writer.wait_until_ready, args=(scaled(30),))
+    thread.start()
+    for reader in readers:
+        reader.wait_until_ready(timeout=scaled(30))
+    thread.join()
+
+
+def local_pair(n_reader: int = 1, **kwargs) -> tuple[MessageQueue, list[MessageQueue]]:
+    """A writer and its readers on this node, past the ready barrier."""
     writer = MessageQueue(n_reader, **kwargs)
     readers = [MessageQueue.create_from_handle(writer.export_handle(), r) for r in range(n_reader)]
+    pass_ready_barrier(writer, readers)
     return writer, readers
 
 
@@ -100,19 +113,16 @@ def _close(writer: MessageQueue, readers: list[MessageQueue]) -> None:
     writer.close()
 
 
-def _remote_pair() -> tuple[MessageQueue, MessageQueue]:
+def remote_pair() -> tuple[MessageQueue, MessageQueue]:
     """A writer whose one reader takes the TCP path; both pass the ready barrier."""
     writer = MessageQueue(1, n_local_reader=0, remote_host="127.0.0.1")
     reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
-    thread = threading.Thread(target=writer.wait_until_ready, args=(10,))
-    thread.start()
-    reader.wait_until_ready(timeout=10)
-    thread.join()
+    pass_ready_barrier(writer, [reader])
     return writer, reader
 
 
 def test_tcp_reader_timeout_close_and_writer_close():
-    writer, reader = _remote_pair()
+    writer, reader = remote_pair()
     assert writer.export_handle().ring_path == ""  # no reader on this node: no shared memory
     with pytest.raises(TimeoutError):
         reader.dequeue(timeout=0.2)
@@ -123,7 +133,7 @@ def test_tcp_reader_timeout_close_and_writer_close():
         reader.dequeue(timeout=5)
     reader.close()
 
-    writer, reader = _remote_pair()
+    writer, reader = remote_pair()
     thread = threading.Thread(target=lambda: pytest.raises(QueueClosedError, reader.dequeue))
     thread.start()
     time.sleep(0.2)
@@ -134,7 +144,7 @@ def test_tcp_reader_timeout_close_and_writer_close():
 
 
 def test_received_tensor_does_not_alias_ring_memory():
-    writer, (reader,) = _local_pair(max_chunks=2)
+    writer, (reader,) = local_pair(max_chunks=2)
     try:
         writer.enqueue(torch.zeros(1000))
         first = reader.dequeue()
@@ -149,7 +159,7 @@ def test_received_tensor_does_not_alias_ring_memory():
 
 
 def test_message_larger_than_a_chunk_goes_over_zeromq():
-    writer, (reader,) = _local_pair(max_chunk_bytes=SMALL_CHUNK)
+    writer, (reader,) = local_pair(max_chunk_bytes=SMALL_CHUNK)
     try:
         big = np.random.default_rng(0).integers(0, 255, size=5 * SMALL_CHUNK, dtype=np.uint8)
         writer.enqueue(big)  # could not fit in any ring chunk
@@ -161,7 +171,7 @@ def test_message_larger_than_a_chunk_goes_over_zeromq():
 
 
 def test_dequeue_timeout_raises():
-    writer, (reader,) = _local_pair()
+    writer, (reader,) = local_pair()
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -174,7 +184,7 @@ def test_dequeue_timeout_raises():
 
 
 def test_full_ring_blocks_writer_until_timeout():
-    writer, (reader,) = _local_pair(max_chunks=2)
+    writer, (reader,) = local_pair(max_chunks=2)
     try:
         writer.enqueue(1)
         writer.enqueue(2)
@@ -188,7 +198,7 @@ def test_full_ring_blocks_writer_until_timeout():
 
 
 def test_close_wakes_a_blocked_reader():
-    writer, (reader,) = _local_pair()
+    writer, (reader,) = local_pair()
     errors = []
 
     def blocked() -> None:
@@ -207,7 +217,7 @@ def test_close_wakes_a_blocked_reader():
 
 
 def test_writer_close_makes_readers_raise_after_draining():
-    writer, (reader,) = _local_pair()
+    writer, (reader,) = local_pair()
     writer.enqueue("pending")
     writer.close()
     assert reader.dequeue(timeout=5) == "pending"
@@ -217,7 +227,7 @@ def test_writer_close_makes_readers_raise_after_draining():
 
 
 def test_resources_are_private_and_removed_on_close():
-    writer, (reader,) = _local_pair()
+    writer, (reader,) = local_pair()
     handle = writer.export_handle()
     socket_path = handle.zmq_address.removeprefix("ipc://")
     assert stat.S_IMODE(os.stat(handle.ipc_dir).st_mode) == 0o700

@@ -18,18 +18,26 @@ import torch
 pytest.importorskip("ray")
 
 from tests.entrypoints.llm_utils import GREEDY, PROMPTS, hf_greedy, make_llm, token_ids  # noqa: E402
+from tests.entrypoints.openai.server_utils import make_tiny_checkpoint  # noqa: E402
+from tests.entrypoints.openai.test_rank_faults import run_fault  # noqa: E402
+from tests.executor.fault_worker import FAILING_STEP_WORKER, inject_fault  # noqa: E402
 from tests.executor.rpc_worker import (  # noqa: E402
     process_id,
     rank_times,
     ray_node_id,
     torch_threads,
 )
+from tests.executor.test_engine_rank_faults import LONG  # noqa: E402
 from tests.executor.test_multiproc_executor import BIG_BYTES, make_config  # noqa: E402
+from tests.executor.test_rank_faults import COLLECTIVE  # noqa: E402
 from tests.model.checkpoints import load_hf_model, make_checkpoint  # noqa: E402
 from tests.process_utils import wait_gone  # noqa: E402
 from tests.ray_cluster import ray_leftovers, start_cluster, stop_cluster  # noqa: E402
+from tests.timeouts import scaled  # noqa: E402
+from v1engine.engine.core_process import EngineDeadError  # noqa: E402
 from v1engine.executor.abstract import Executor  # noqa: E402
 from v1engine.executor.errors import WorkerDiedError, WorkerError  # noqa: E402
+from v1engine.executor.group_executor import LOCKSTEP_GRACE_S  # noqa: E402
 from v1engine.executor.ray_executor import RayExecutor  # noqa: E402
 from v1engine.request import EngineCoreRequest  # noqa: E402
 
@@ -156,6 +164,56 @@ def test_tp2_across_nodes_equals_transformers_and_survives_nothing_when_killed(
         llm.shutdown()
     assert not ray_leftovers()
     wait_gone(pids, limit_s=10)  # Ray reaps killed actors' processes asynchronously
+
+
+def test_a_rank_failing_in_a_step_fails_at_once_and_ends_the_group(ray_cluster):
+    # Rank 0 waits for rank 1 in a real gloo all-reduce across the two nodes.
+    executor = RayExecutor(make_config(worker_cls=COLLECTIVE, backend="ray"))
+    try:
+        assert executor.execute_model((None, True)) == 2
+        pids = executor.collective_rpc(process_id)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"(?s)rank 0 did not answer.*fault on rank 1"):
+            executor.execute_model((1, True))
+        assert time.monotonic() - start < LOCKSTEP_GRACE_S + scaled(2)
+        with pytest.raises(WorkerDiedError, match="worker rank 1 .*'get_rank'"):
+            executor.collective_rpc("get_rank")
+    finally:
+        shut_down_cleanly(executor)
+    wait_gone(pids, limit_s=scaled(10))
+
+
+def test_llm_on_ray_fails_naming_rank_1_when_it_raises_mid_generation(ray_cluster, tmp_path):
+    checkpoint = make_checkpoint(tmp_path, "llama")
+    llm = make_llm(
+        checkpoint,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        worker_cls=FAILING_STEP_WORKER,
+    )
+    try:
+        pids = llm.engine_core.executor.collective_rpc(process_id)
+        inject_fault(checkpoint, "raise", after_steps=3)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"(?s)failed on rank 1.*injected fault"):
+            llm.generate(PROMPTS, LONG, use_tqdm=False)
+        assert time.monotonic() - start < scaled(5)
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            llm.generate(PROMPTS[:1], LONG, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not ray_leftovers()
+    wait_gone(pids, limit_s=scaled(10))
+
+
+@pytest.mark.parametrize("action", ["raise", "kill"])
+def test_server_on_ray_ends_every_stream_and_exits_when_rank_1_fails(ray_cluster, tmp_path, action):
+    # The server joins this module's cluster (start_cluster set RAY_TMPDIR, where Ray keeps
+    # the cluster's address), so its ranks span the two simulated nodes.
+    model_dir = make_tiny_checkpoint(str(tmp_path / "model"))
+    log = run_fault(model_dir, str(tmp_path), action, "--distributed-executor-backend", "ray")
+    assert "Ray executor: 2 rank(s) on 2 node(s)" in log
+    assert not ray_leftovers()
 
 
 def test_node_death_fails_calls_naming_the_rank(ray_cluster):

@@ -42,7 +42,7 @@ from v1engine.core_protocol import (
     encode,
     error_result,
 )
-from v1engine.executor.errors import WorkerDiedError
+from v1engine.executor.errors import WorkerDiedError, WorkerError
 from v1engine.executor.message_queue import IPC_DIR_PREFIX, MessageQueue
 from v1engine.executor.rpc_call import RpcCall
 from v1engine.logger import init_logger
@@ -214,9 +214,14 @@ class EngineCoreProc:
     def _report_engine_dead(self, error: BaseException) -> None:
         if isinstance(error, WorkerDiedError):
             reason = str(error)
+            logger.error("engine core is dead: %s", reason)
+        elif isinstance(error, WorkerError):
+            # The client learns which rank failed, in what and how; the tracebacks go here.
+            reason = f"{error.summary}; the traceback is in the engine core's log"
+            logger.error("engine core is dead: %s", error)
         else:
             reason = f"the engine core loop crashed:\n{traceback.format_exc()}"
-        logger.error("engine core is dead: %s", reason)
+            logger.error("engine core is dead: %s", reason)
         try:
             self._send(EngineCoreOutputType.ENGINE_DEAD, reason)
         except zmq.ZMQError:

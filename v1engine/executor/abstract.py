@@ -119,19 +119,29 @@ class Executor(ABC):
 
         Raises:
             ValueError: a method the workers cannot run (nothing is broadcast).
-            WorkerError: a worker raised; names every failing rank with its traceback.
+            WorkerError: a worker raised; names every failing rank with its traceback. When
+                the failure left other ranks stuck (they did not answer within a grace), the
+                worker group is ended too and later calls raise WorkerDiedError
+                (group_executor.py's module doc has the rule).
             TimeoutError: no reply within `timeout`; names the method and the silent ranks.
-            WorkerDiedError: a worker process exited.
+            WorkerDiedError: a worker process exited, or the group was ended.
         """
         return self.run_rpc(RpcCall(method, args, kwargs, timeout, unique_reply_rank), non_block)
 
-    def run_rpc(self, call: RpcCall, non_block: bool = False) -> Any:
-        """`collective_rpc` with the call already built (by EngineCore, or from the wire)."""
+    def run_rpc(self, call: RpcCall, non_block: bool = False, lockstep: bool = False) -> Any:
+        """`collective_rpc` with the call already built (by EngineCore, or from the wire).
+
+        Args:
+            lockstep: the ranks run the call in step, meeting in collectives (a model
+                forward), so after one rank's error the others get a short grace to answer
+                before they are presumed stuck and the group is ended (group_executor.py's
+                module doc).
+        """
         call.check(self.worker_cls, self.world_size)
-        return self._run_rpc(call, non_block)
+        return self._run_rpc(call, non_block, lockstep)
 
     @abstractmethod
-    def _run_rpc(self, call: RpcCall, non_block: bool) -> Any:
+    def _run_rpc(self, call: RpcCall, non_block: bool, lockstep: bool) -> Any:
         """Runs a checked call on every worker; returns as `collective_rpc` does."""
 
     @abstractmethod
@@ -139,21 +149,22 @@ class Executor(ABC):
         """Stops every worker; idempotent."""
 
     # -- the engine's view of its workers ---------------------------------------------------
+    # The calls that run the model (profiling, warm-up, steps) are lockstep: their ranks meet in
+    # the forward's all-reduces, so when one fails the others get only the short grace.
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
         return self.collective_rpc("get_kv_cache_spec")
 
     def determine_available_memory(self) -> list[int]:
-        return self.collective_rpc("determine_available_memory")
+        return self.run_rpc(RpcCall("determine_available_memory"), lockstep=True)
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         # Every worker receives the list and keeps its own entry, so one broadcast suffices.
-        self.collective_rpc(_initialize_from_configs, args=(kv_cache_configs,))
-        self.collective_rpc("compile_or_warm_up_model")
+        self.run_rpc(RpcCall(_initialize_from_configs, (kv_cache_configs,)), lockstep=True)
+        self.run_rpc(RpcCall("compile_or_warm_up_model"), lockstep=True)
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
-        return self.collective_rpc(
-            "execute_model", args=(scheduler_output,), unique_reply_rank=0, non_block=non_block
-        )
+        call = RpcCall("execute_model", (scheduler_output,), unique_reply_rank=0)
+        return self.run_rpc(call, non_block, lockstep=True)
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")

@@ -22,13 +22,28 @@ class RemoteFailure:
 
 
 class WorkerError(RuntimeError):
-    """A worker method raised. The message names every failing rank with its traceback."""
+    """A worker method raised. The message names every failing rank with its traceback.
 
-    def __init__(self, method: str, failures: list[RemoteFailure]) -> None:
+    Args:
+        method: the call, as `RpcCall.name` gives it.
+        failures: one per failing rank, in rank order.
+        note: what became of the worker group, when the failure ended it.
+
+    Attributes:
+        summary: one line naming the method and each failing rank with its exception, without
+            tracebacks: what a client is told while the whole message goes to the log.
+    """
+
+    def __init__(self, method: str, failures: list[RemoteFailure], note: str = "") -> None:
         self.method = method
         self.failures = failures
+        self.summary = f"collective_rpc({method!r}) failed on " + ", ".join(
+            f"rank {f.rank} ({f.exc_type}: {f.message})" for f in failures
+        )
         ranks = ", ".join(f"rank {f.rank}" for f in failures)
         parts = [f"collective_rpc({method!r}) failed on {ranks}:"]
+        if note:
+            parts.append(note)
         for f in failures:
             parts.append(f"--- rank {f.rank}: {f.exc_type}: {f.message}\n{f.traceback.rstrip()}")
         super().__init__("\n".join(parts))

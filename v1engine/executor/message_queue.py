@@ -18,6 +18,7 @@ the latency of back-to-back messages low, then sleeps on a futex, so an idle que
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import zmq
@@ -41,7 +43,10 @@ from v1engine.executor.tcp_transport import (
     RemotePublisher,
     RemoteSubscriber,
     configure_socket,
+    recv_frames,
     wait_for_subscribers,
+    wait_until_sent,
+    zmq_context,
 )
 from v1engine.utils import MiB_bytes
 
@@ -125,7 +130,7 @@ class MessageQueue:
             self._init_ring(n_local, max_chunk_bytes + _HEADER_SLACK, max_chunks)
         self._publisher = None
         if n_local < n_reader:
-            self._publisher = RemotePublisher(_zmq_context(), remote_host)
+            self._publisher = RemotePublisher(zmq_context(), remote_host)
         self._subscriber: RemoteSubscriber | None = None
         self._handle = Handle(
             n_reader=n_reader,
@@ -145,7 +150,7 @@ class MessageQueue:
         )
         name = os.path.basename(self._ring.path)
         self._socket_path = os.path.join(self.ipc_dir, f"{name}.sock")
-        self._socket = _zmq_context().socket(zmq.XPUB)
+        self._socket = zmq_context().socket(zmq.XPUB)
         configure_socket(self._socket)
         # Every reader's subscription must reach us, not just the first (see wait_until_ready).
         self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -164,7 +169,7 @@ class MessageQueue:
         self.ipc_dir = handle.ipc_dir
         self._publisher = self._ring = self._socket = self._subscriber = None
         if rank >= handle.n_local_reader:
-            self._subscriber = RemoteSubscriber(_zmq_context(), handle.remote_address)
+            self._subscriber = RemoteSubscriber(zmq_context(), handle.remote_address)
         else:
             self._ring = ShmRingBuffer(
                 handle.n_local_reader,
@@ -172,7 +177,7 @@ class MessageQueue:
                 handle.max_chunks,
                 path=handle.ring_path,
             )
-            self._socket = _zmq_context().socket(zmq.SUB)
+            self._socket = zmq_context().socket(zmq.SUB)
             configure_socket(self._socket)
             self._socket.setsockopt(zmq.SUBSCRIBE, b"")
             self._socket.connect(handle.zmq_address)
@@ -186,6 +191,7 @@ class MessageQueue:
         self.max_chunk_bytes = self._handle.max_chunk_bytes
         self._chunk = 0
         self._closed = False
+        self._close_lock = threading.Lock()
         self._op_lock = threading.Lock()
 
     def export_handle(self) -> Handle:
@@ -205,15 +211,17 @@ class MessageQueue:
         with self._op_lock:
             if self._closed:
                 raise QueueClosedError("MessageQueue.enqueue: the queue was closed")
+            deadline = None if timeout is None else time.monotonic() + timeout
             if self._ring is not None:
-                self._write_ring(frames, timeout)
+                self._write_ring(frames, timeout, deadline)
             if self._publisher is not None:
-                self._publisher.send(frames)
+                self._publisher.send(frames, deadline, lambda: self._closed)
 
-    def _write_ring(self, frames: list, timeout: float | None) -> None:
+    def _write_ring(self, frames: list, timeout: float | None, deadline: float | None) -> None:
         sizes = [memoryview(f).nbytes for f in frames]
         chunk = self._chunk
-        self._wait(lambda: self._ring.is_writable(chunk), self._ring, timeout, "enqueue")
+        is_writable = partial(self._ring.is_writable, chunk)
+        self._wait(is_writable, "enqueue", timeout, deadline)
         view = self._ring.begin_write(chunk)
         overflow = sum(sizes) > self.max_chunk_bytes
         if overflow:
@@ -228,7 +236,7 @@ class MessageQueue:
             tracker = self._socket.send_multipart(frames, copy=False, track=True)
             # Readers must get exactly what the caller had at enqueue time, so we return
             # only once ZeroMQ is done with the caller's buffers.
-            tracker.wait()
+            wait_until_sent(tracker, deadline, lambda: self._closed)
 
     def _publish(self, chunk: int) -> None:
         self._ring.end_write(chunk)
@@ -242,7 +250,9 @@ class MessageQueue:
         """Returns the next message.
 
         Raises:
-            TimeoutError: nothing arrived within `timeout` seconds.
+            TimeoutError: nothing arrived within `timeout` seconds (an overflow message whose
+                marker came but whose frames did not stays next in line: the next dequeue
+                waits for the same message).
             QueueClosedError: the queue was closed locally or by the writer.
         """
         if self.is_writer:
@@ -255,35 +265,48 @@ class MessageQueue:
                 if frames is None:
                     raise QueueClosedError("MessageQueue.dequeue: the queue was closed")
                 return deserialize(frames)
+            deadline = None if timeout is None else time.monotonic() + timeout
             chunk, rank = self._chunk, self.rank
-            self._wait(lambda: self._ring.is_readable(chunk, rank), self._ring, timeout, "dequeue")
+            is_readable = partial(self._ring.is_readable, chunk, rank)
+            self._wait(is_readable, "dequeue", timeout, deadline)
             view = self._ring.chunk_view(chunk)
+            if struct.unpack_from("<I", view, 0)[0] != _OVERFLOW:
+                try:
+                    return unpack_frames(view)
+                finally:
+                    del view
+                    self._release(chunk, rank)  # even if unpickling failed: no writer stall
+            del view
+            # The chunk is released only once the frames came: after a timeout the next
+            # dequeue waits for the same message, so none is skipped or taken for another.
+            check_open = partial(self._check_open, self._ring, "dequeue")
+            frames = recv_frames(self._socket, deadline, check_open)
+            if frames is None:
+                raise TimeoutError(
+                    f"MessageQueue.dequeue timed out after {timeout:.3g} s waiting for a message "
+                    "over ZeroMQ (one published before the reader subscribed is lost: pass "
+                    "wait_until_ready first)"
+                )
             try:
-                if struct.unpack_from("<I", view, 0)[0] == _OVERFLOW:
-                    return deserialize(self._recv_overflow())
-                return unpack_frames(view)
+                return deserialize(frames)
             finally:
-                # Release the chunk even if unpickling failed, or the writer would stall.
-                del view
-                self._ring.end_read(chunk, rank)
-                full_fence()
-                if self._ring.writer_sleeping():
-                    futex_wake(self._ring.read_seq_addr)
-                self._chunk = (chunk + 1) % self._ring.max_chunks
+                self._release(chunk, rank)
 
-    def _recv_overflow(self) -> list[memoryview]:
-        # The writer sends the frames right after the marker; poll in slices so a close() or a
-        # dead writer cannot leave us blocked in ZeroMQ forever.
-        while not self._socket.poll(int(_SLEEP_SLICE_S * 1000)):
-            self._check_open(self._ring, "dequeue")
-        return [f.buffer for f in self._socket.recv_multipart(copy=False)]
+    def _release(self, chunk: int, rank: int) -> None:
+        self._ring.end_read(chunk, rank)
+        full_fence()
+        if self._ring.writer_sleeping():
+            futex_wake(self._ring.read_seq_addr)
+        self._chunk = (chunk + 1) % self._ring.max_chunks
 
     # -- waiting ----------------------------------------------------------------------------
-    def _wait(self, ready, ring: ShmRingBuffer, timeout: float | None, op: str) -> None:
+    def _wait(self, ready, op: str, timeout: float | None, deadline: float | None) -> None:
+        """Returns once `ready()`; `deadline` (time.monotonic) is `timeout` s after the
+        operation began, so the whole operation keeps to its timeout."""
         if ready():
             return
+        ring = self._ring
         start = time.perf_counter()
-        deadline = None if timeout is None else start + timeout
         # Spin politely: yielding hands the core to the process we are waiting for when both
         # share it, and a message that arrives now costs no sleep and no wake-up call.
         spin_until = start + self.spin_s
@@ -303,7 +326,7 @@ class MessageQueue:
                 self._check_open(ring, op)
                 remaining = _SLEEP_SLICE_S
                 if deadline is not None:
-                    remaining = min(remaining, deadline - time.perf_counter())
+                    remaining = min(remaining, deadline - time.monotonic())
                     if remaining <= 0:
                         raise TimeoutError(f"MessageQueue.{op} timed out after {timeout:.3g} s")
                 futex_wait(seq_addr, seq, remaining)
@@ -329,7 +352,8 @@ class MessageQueue:
                 wait_for_subscribers(self._socket, n_local, deadline)
             if self._publisher is not None:
                 self._publisher.wait_for_subscribers(self._handle.n_reader - n_local, deadline)
-            self.enqueue(_READY, timeout=timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.enqueue(_READY, timeout=left)
             return
         message = self.dequeue(timeout=timeout)
         if message != _READY:
@@ -338,11 +362,13 @@ class MessageQueue:
     def close(self) -> None:
         """Idempotent. Wakes every local thread blocked on this queue; the writer's close also
         makes readers in other processes raise QueueClosedError, and removes the shared memory
-        and the socket file.
+        and the socket file. Threads may race to close (an executor ending its worker group
+        while another shuts it down): one closes, the others return.
         """
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         ring = self._ring
         if ring is not None:
             if self.is_writer:
@@ -354,7 +380,8 @@ class MessageQueue:
                 if end is not None:
                     end.close()
         if self.is_writer and ring is not None:
-            _remove(self._socket_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._socket_path)
             if self._owns_ipc_dir:
                 shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
@@ -370,21 +397,3 @@ class MessageQueue:
 def ring_name_prefix(ipc_dir: str) -> str:
     # The ipc directory's name is unique per engine (mkdtemp), so it names the engine's rings.
     return os.path.basename(os.path.normpath(ipc_dir)) + "-"
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-_context: zmq.Context | None = None
-
-
-def _zmq_context() -> zmq.Context:
-    # Two I/O threads let a writer feed two readers' sockets at once for overflow messages.
-    global _context
-    if _context is None:
-        _context = zmq.Context(io_threads=2)
-    return _context

@@ -171,6 +171,11 @@ class RayWorkerGroup(WorkerGroupBase):
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
 
+    def _kill_workers(self) -> None:
+        if ray.is_initialized():
+            for actor in self.actors:
+                ray.kill(actor)  # returns at once; _stop_workers waits for Ray to confirm
+
     def _release(self) -> None:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()

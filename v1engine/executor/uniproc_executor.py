@@ -26,7 +26,8 @@ class UniProcExecutor(Executor):
         )
         self._is_shut_down = False
 
-    def _run_rpc(self, call: RpcCall, non_block: bool) -> Any:
+    def _run_rpc(self, call: RpcCall, non_block: bool, lockstep: bool) -> Any:
+        # One worker: no peer can be stranded, so `lockstep` changes nothing.
         if self._is_shut_down:
             raise RuntimeError("the executor has been shut down")
         future: Future = Future()

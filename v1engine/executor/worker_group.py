@@ -6,6 +6,11 @@ and also runs at interpreter exit (the executor registers it with weakref.finali
 
 `WorkerGroupBase` is what every process layout shares (RayWorkerGroup is the other one): the
 queues, the record of a dead worker, the monitor thread and the order of shut-down.
+
+A group dies once, by `abort(rank, cause)`: the monitor calls it when a worker dies, the executor
+when a failed call stranded the other ranks in a collective. The survivors may be blocked inside
+gloo or NCCL, where no message reaches them, so they are ended by force at once (SIGTERM, or
+ray.kill), never asked to stop and waited for; `shutdown()` then reaps them.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ from v1engine.process import (
 
 class WorkerGroupBase:
     """The surface GroupExecutor drives: broadcast_mq, response_mqs, dead_worker,
-    is_shut_down, start_monitor(on_death), shutdown(). A subclass starts the workers, and says
-    how to wait for one to die (`_wait_for_death`) and how to end them (`_stop_workers`).
+    is_shut_down, start_monitor(on_death), abort(rank, cause), shutdown(). A subclass starts the
+    workers, and says how to wait for one to die (`_wait_for_death`), how to end them
+    (`_stop_workers`) and how to end them by force without waiting (`_kill_workers`).
     """
 
     def __init__(self) -> None:
-        # (rank, how it died), set once by the monitor thread.
+        # (rank, how it died or failed), set once by abort().
         self.dead_worker: tuple[int, str] | None = None
         self.is_shut_down = False
         self.broadcast_mq: MessageQueue | None = None
@@ -51,6 +57,10 @@ class WorkerGroupBase:
         """Ends every worker: `_ask_workers_to_stop`, then by force what is left."""
         raise NotImplementedError
 
+    def _kill_workers(self) -> None:
+        """Ends every worker by force and returns at once; shutdown() reaps them later."""
+        raise NotImplementedError
+
     def _wake_monitor(self) -> None:
         """Makes `_wait_for_death` return soon; shutdown() calls it first. Default: nothing."""
 
@@ -65,12 +75,24 @@ class WorkerGroupBase:
 
     def _monitor(self, on_death: Callable[[], None]) -> None:
         death = self._wait_for_death()
-        if death is None or self.is_shut_down:
-            return
-        self.dead_worker = death
-        # Wake everything blocked on the queues; callers then see dead_worker.
+        # A death after abort() (the workers it killed) or shutdown() is no news.
+        if death is not None and not self.is_shut_down and self.abort(*death):
+            on_death()
+
+    def abort(self, rank: int, cause: str) -> bool:
+        """Marks the group dead because of `rank` (`cause`: how it died or failed), wakes every
+        reader blocked on the queues (they then see `dead_worker`) and ends the workers by force.
+
+        Returns:
+            False when the group was already dead or shut down (nothing is done).
+        """
+        with self._shutdown_lock:
+            if self.dead_worker is not None or self.is_shut_down:
+                return False
+            self.dead_worker = (rank, cause)
         self._close_queues()
-        on_death()
+        self._kill_workers()
+        return True
 
     def shutdown(self) -> None:
         """Stops the workers, then removes every queue and shared resource; idempotent."""
@@ -94,7 +116,7 @@ class WorkerGroupBase:
         if not self.response_mqs:
             return False  # start-up failed: some workers are not reading the queue yet
         if self.dead_worker is not None:
-            return True  # the monitor closed the queues: the others leave their serve loops
+            return False  # the survivors may be stuck in a collective: abort() killed them
         try:
             self.broadcast_mq.enqueue(SHUTDOWN, timeout=1.0)
         except Exception:  # a wedged worker: the caller ends it by force
@@ -175,6 +197,10 @@ class WorkerGroup(WorkerGroupBase):
 
     def _stop_workers(self) -> None:
         stop_children(self._procs, self._ask_workers_to_stop)
+
+    def _kill_workers(self) -> None:
+        for proc in self._procs:
+            proc.terminate()
 
     def _release(self) -> None:
         self._stop_r.close()
