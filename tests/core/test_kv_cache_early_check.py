@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from tests.model.checkpoints import make_checkpoint
-from v1engine.core.engine_core import EngineCore, kv_cache_spec_from_config
+from v1engine.core.engine_core import EngineCore
 from v1engine.core.kv_cache_utils import estimate_max_model_len
 from v1engine.engine_args import EngineArgs
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.executor.uniproc_executor import UniProcExecutor
 from v1engine.worker.gpu_worker import Worker
+from v1engine.worker.kv_cache import kv_cache_spec_from_config
 
 RECORDING_WORKER = "tests.core.test_kv_cache_early_check.StartRecordingWorker"
 

@@ -23,7 +23,7 @@ from v1engine.core.scheduler import Scheduler
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.executor.abstract import Executor
 from v1engine.executor.rpc_call import RpcCall
-from v1engine.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.outputs import ModelRunnerOutput
 from v1engine.request import (
@@ -159,8 +159,9 @@ def check_kv_cache_budget(config: EngineConfig) -> None:
     report as their spare bytes, or `num_gpu_blocks_override`) holds one max_model_len request,
     before any worker starts: a budget that cannot fit fails in a second, not after loading
     the weights and profiling. It is `check_enough_kv_cache_memory`, the check the handshake
-    runs later, on the spec the built-in Worker will report (`kv_cache_spec_from_config`); a
-    worker class that sizes its cache its own way is checked by the handshake only.
+    runs later, on the spec the worker class says it will report from the config alone
+    (`Executor.kv_cache_spec_before_start`); a worker class that cannot say is checked by the
+    handshake only.
 
     Raises:
         ValueError: the budget cannot hold one request; names the max_model_len that fits.
@@ -169,54 +170,13 @@ def check_kv_cache_budget(config: EngineConfig) -> None:
     budget_bytes = cache_config.kv_cache_memory_bytes
     if budget_bytes is None and cache_config.num_gpu_blocks_override is None:
         return  # the workers measure their spare memory: nothing to check before they run
-    if config.model_config.hf_config is None or not _uses_builtin_kv_sizing(config):
-        return
+    spec = Executor.kv_cache_spec_before_start(config)
+    if spec is None:
+        return  # a worker class that sizes its cache its own way: the handshake checks it
     check_enough_kv_cache_memory(
         cache_config,
         config.scheduler_config,
-        kv_cache_spec_from_config(config),
+        spec,
         # With only a block override, the check replaces the bytes by override x block bytes.
         budget_bytes if budget_bytes is not None else 0,
     )
-
-
-def _uses_builtin_kv_sizing(config: EngineConfig) -> bool:
-    from v1engine.executor.abstract import resolve_worker_cls
-    from v1engine.worker.gpu_worker import Worker
-
-    worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
-    return all(
-        getattr(worker_cls, name, None) is getattr(Worker, name)
-        for name in ("get_kv_cache_spec", "determine_available_memory")
-    )
-
-
-def kv_cache_spec_from_config(config: EngineConfig) -> dict[str, KVCacheSpec]:
-    """One rank's layer name -> KVCacheSpec as the built-in Worker reports it, from the model's
-    config alone (no weights): each layer's `Attention` with this rank's heads (KV heads split
-    over the ranks, or replicated when there are fewer than ranks, as QKVParallelLinear does),
-    the model's head size and sliding windows, and the cache dtype."""
-    import torch
-
-    from v1engine.model.hf_config import resolve_dtype
-    from v1engine.model.layers.attention import Attention
-    from v1engine.model.models.llama import get_head_size, get_sliding_window
-
-    hf_config = config.model_config.hf_config
-    tp_size = config.parallel_config.world_size
-    num_heads = hf_config.num_attention_heads // tp_size
-    total_num_kv_heads = (
-        getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    )
-    num_kv_heads = max(1, total_num_kv_heads // tp_size)
-    head_size = get_head_size(hf_config)
-    cache_dtype = config.cache_config.cache_dtype
-    dtype = resolve_dtype(hf_config, config.model_config.dtype, config.device_config.device_type)
-    kv_cache_dtype = dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(hf_config.num_hidden_layers):
-        name = f"model.layers.{i}.self_attn.attn"
-        window = get_sliding_window(hf_config, i)
-        layer = Attention(num_heads, head_size, head_size**-0.5, num_kv_heads, name, window)
-        specs[name] = layer.get_kv_cache_spec(config.cache_config.block_size, kv_cache_dtype)
-    return specs

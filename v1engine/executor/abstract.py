@@ -85,6 +85,14 @@ class Executor(ABC):
             return RayExecutor
         raise ValueError(f"unknown distributed_executor_backend {backend!r}")
 
+    @staticmethod
+    def kv_cache_spec_before_start(config: EngineConfig) -> dict[str, Any] | None:
+        """The KV cache spec each rank will report, from the worker class and the config alone
+        (before any worker starts), or None when the worker class cannot say."""
+        worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
+        from_config = getattr(worker_cls, "kv_cache_spec_from_config", None)
+        return None if from_config is None else from_config(config)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.world_size

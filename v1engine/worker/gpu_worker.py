@@ -22,6 +22,7 @@ from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
 from v1engine.worker.gpu_model_runner import GPUModelRunner
+from v1engine.worker.kv_cache import kv_cache_spec_from_config
 from v1engine.worker.memory import MemoryProfile, profile_cpu, profile_cuda
 from v1engine.worker.worker_base import WorkerBase
 
@@ -93,6 +94,17 @@ class Worker(WorkerBase):
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_spec()
+
+    @classmethod
+    def kv_cache_spec_from_config(cls, config: Any) -> dict[str, KVCacheSpec] | None:
+        # A subclass that reports or sizes its cache its own way cannot be predicted.
+        own_sizing = any(
+            getattr(cls, name) is not getattr(Worker, name)
+            for name in ("get_kv_cache_spec", "determine_available_memory")
+        )
+        if own_sizing or config.model_config.hf_config is None:
+            return None
+        return kv_cache_spec_from_config(config)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give the KV cache (see `memory.py` for the method);

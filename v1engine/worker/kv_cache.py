@@ -12,6 +12,8 @@ KV cache groups, whose block ids never overlap, so they never touch the same byt
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from v1engine.kv_cache_interface import (
@@ -20,8 +22,10 @@ from v1engine.kv_cache_interface import (
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
 )
+from v1engine.model.hf_config import resolve_dtype
 from v1engine.model.layers.attention import Attention
 from v1engine.model.layers.attention_backend import KVCache
+from v1engine.model.models.llama import get_head_size, get_sliding_window
 
 
 def _attention_spec(spec: KVCacheSpec, name: str) -> AttentionSpec:
@@ -128,3 +132,28 @@ def unbind_kv_caches(layers: dict[str, Attention]) -> None:
     for layer in layers.values():
         layer.kv_cache = None
         layer.kv_cache_group_index = None
+
+
+def kv_cache_spec_from_config(config: Any) -> dict[str, KVCacheSpec]:
+    """One rank's layer name -> KVCacheSpec as the built-in Worker reports it, from the model's
+    config alone (no weights): each layer's `Attention` with this rank's heads (KV heads split
+    over the ranks, or replicated when there are fewer than ranks, as QKVParallelLinear does),
+    the model's head size and sliding windows, and the cache dtype."""
+    hf_config = config.model_config.hf_config
+    tp_size = config.parallel_config.world_size
+    num_heads = hf_config.num_attention_heads // tp_size
+    total_num_kv_heads = (
+        getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    )
+    num_kv_heads = max(1, total_num_kv_heads // tp_size)
+    head_size = get_head_size(hf_config)
+    cache_dtype = config.cache_config.cache_dtype
+    dtype = resolve_dtype(hf_config, config.model_config.dtype, config.device_config.device_type)
+    kv_cache_dtype = dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(hf_config.num_hidden_layers):
+        name = f"model.layers.{i}.self_attn.attn"
+        window = get_sliding_window(hf_config, i)
+        layer = Attention(num_heads, head_size, head_size**-0.5, num_kv_heads, name, window)
+        specs[name] = layer.get_kv_cache_spec(config.cache_config.block_size, kv_cache_dtype)
+    return specs

@@ -48,6 +48,13 @@ class WorkerBase:
         """Returns: layer name -> KVCacheSpec for every attention layer on this rank."""
         raise NotImplementedError(f"{type(self).__name__} does not run a model")
 
+    @classmethod
+    def kv_cache_spec_from_config(cls, config: Any) -> dict[str, Any] | None:
+        """The `get_kv_cache_spec` every rank will report, known from the config alone (no
+        weights), so the engine can check a fixed KV budget before starting any worker; None
+        when it is not known before start-up. Default: None."""
+        return None
+
     def determine_available_memory(self) -> int:
         """Returns: bytes this rank can give the KV cache, measured by a profiling forward."""
         raise NotImplementedError(f"{type(self).__name__} does not run a model")
