@@ -10,6 +10,7 @@ import time
 
 from tests.core.counting_worker import make_config
 from tests.engine.sync_client import SyncMPClient
+from tests.timeouts import scaled
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 
@@ -22,7 +23,7 @@ def main(mode: str) -> None:
     if mode == "wait":
         client.collective_rpc("set_step_delay", args=(0.05,))
         client.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=50)))
-        client.get_output(timeout=10)
+        client.get_output(timeout=scaled(10))
     print(json.dumps(info), flush=True)
     if mode == "wait":
         time.sleep(120)  # killed here, mid-generation

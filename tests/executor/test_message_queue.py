@@ -50,8 +50,8 @@ def _portable(value):
 def _reader_main(handle, rank: int, results) -> None:
     mq = MessageQueue.create_from_handle(handle, rank)
     try:
-        mq.wait_until_ready(timeout=30)
-        received = [_portable(mq.dequeue(timeout=30)) for _ in range(len(_messages()))]
+        mq.wait_until_ready(timeout=scaled(30))
+        received = [_portable(mq.dequeue(timeout=scaled(30))) for _ in range(len(_messages()))]
         results.put((rank, received))
     except Exception as e:
         results.put((rank, repr(e)))
@@ -74,7 +74,7 @@ def test_broadcast_to_reader_processes_keeps_order_and_contents(n_local_reader):
     for p in procs:
         p.start()
     try:
-        writer.wait_until_ready(timeout=30)
+        writer.wait_until_ready(timeout=scaled(30))
         sent = _messages()
         for message in sent:
             writer.enqueue(message, timeout=30)
@@ -128,9 +128,9 @@ def test_tcp_reader_timeout_close_and_writer_close():
         reader.dequeue(timeout=0.2)
     writer.enqueue(torch.arange(10))
     writer.close()
-    assert torch.equal(reader.dequeue(timeout=5), torch.arange(10))
+    assert torch.equal(reader.dequeue(timeout=scaled(5)), torch.arange(10))
     with pytest.raises(QueueClosedError):
-        reader.dequeue(timeout=5)
+        reader.dequeue(timeout=scaled(5))
     reader.close()
 
     writer, reader = remote_pair()
@@ -164,8 +164,8 @@ def test_message_larger_than_a_chunk_goes_over_zeromq():
         big = np.random.default_rng(0).integers(0, 255, size=5 * SMALL_CHUNK, dtype=np.uint8)
         writer.enqueue(big)  # could not fit in any ring chunk
         writer.enqueue("after")
-        assert np.array_equal(reader.dequeue(timeout=10), big)
-        assert reader.dequeue(timeout=10) == "after"
+        assert np.array_equal(reader.dequeue(timeout=scaled(10)), big)
+        assert reader.dequeue(timeout=scaled(10)) == "after"
     finally:
         _close(writer, [reader])
 
@@ -176,9 +176,9 @@ def test_dequeue_timeout_raises():
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             reader.dequeue(timeout=0.2)
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < scaled(5)
         writer.enqueue("still works")
-        assert reader.dequeue(timeout=5) == "still works"
+        assert reader.dequeue(timeout=scaled(5)) == "still works"
     finally:
         _close(writer, [reader])
 
@@ -220,9 +220,9 @@ def test_writer_close_makes_readers_raise_after_draining():
     writer, (reader,) = local_pair()
     writer.enqueue("pending")
     writer.close()
-    assert reader.dequeue(timeout=5) == "pending"
+    assert reader.dequeue(timeout=scaled(5)) == "pending"
     with pytest.raises(QueueClosedError):
-        reader.dequeue(timeout=5)
+        reader.dequeue(timeout=scaled(5))
     reader.close()
 
 
@@ -250,7 +250,7 @@ def test_reader_rank_is_validated():
 
 def _idle_reader_main(handle, ready) -> None:
     mq = MessageQueue.create_from_handle(handle, 0)
-    mq.wait_until_ready(timeout=30)
+    mq.wait_until_ready(timeout=scaled(30))
     ready.set()
     while mq.dequeue() != "stop":
         pass
@@ -264,7 +264,7 @@ def test_idle_reader_sleeps_instead_of_spinning():
     proc = ctx.Process(target=_idle_reader_main, args=(writer.export_handle(), ready))
     proc.start()
     try:
-        writer.wait_until_ready(timeout=30)
+        writer.wait_until_ready(timeout=scaled(30))
         assert ready.wait(30)
         writer.enqueue("tick")
         time.sleep(0.1)

@@ -16,7 +16,7 @@ from tests.timeouts import scaled
 from v1engine.executor.message_queue import MessageQueue
 
 TIMEOUT_S = 0.5
-SLACK_S = 0.5
+SLACK_S = scaled(0.5)
 
 
 def assert_times_out(reader: MessageQueue, match: str = "timed out") -> None:

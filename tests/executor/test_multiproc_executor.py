@@ -13,6 +13,7 @@ import torch
 
 from tests.executor.rpc_worker import RPCTestWorker, rank_times
 from tests.process_utils import alive
+from tests.timeouts import scaled
 from v1engine.config import EngineConfig, ParallelConfig
 from v1engine.executor.abstract import Executor
 from v1engine.executor.errors import WorkerDiedError, WorkerError
@@ -98,7 +99,7 @@ def test_timeout_names_method_and_ranks_and_stale_replies_are_dropped(shared_exe
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
         shared_executor.collective_rpc("sleep", args=(1.0,), timeout=0.2)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < scaled(1.0)
     assert "'sleep'" in str(info.value) and "rank 0, rank 1" in str(info.value)
     # The late replies of `sleep` (the ranks) must never be returned for this call.
     assert shared_executor.collective_rpc("echo", args=("fresh",)) == ["fresh", "fresh"]
@@ -116,10 +117,10 @@ def test_large_tensor_argument_and_result(shared_executor):
 
 def test_non_block_returns_futures_completed_in_order(shared_executor):
     futures = [shared_executor.collective_rpc("echo", args=(i,), non_block=True) for i in range(8)]
-    assert [f.result(timeout=30) for f in futures] == [[i, i] for i in range(8)]
+    assert [f.result(timeout=scaled(30)) for f in futures] == [[i, i] for i in range(8)]
     failing = shared_executor.collective_rpc("raise_error", non_block=True)
     with pytest.raises(WorkerError):
-        failing.result(timeout=30)
+        failing.result(timeout=scaled(30))
 
 
 def test_concurrent_callers_get_their_own_replies(shared_executor):
@@ -144,8 +145,8 @@ def test_sigkill_of_a_worker_mid_call_fails_pending_and_later_calls(executor):
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(WorkerDiedError) as info:
-        pending.result(timeout=10)
-    assert time.monotonic() - killed_at < 2.0
+        pending.result(timeout=scaled(10))
+    assert time.monotonic() - killed_at < scaled(2.0)
     assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value)
     assert "'sleep'" in str(info.value)
     with pytest.raises(WorkerDiedError, match="rank 1"):
@@ -161,7 +162,7 @@ def test_worker_failing_at_start_up_raises_with_its_traceback():
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         MultiprocExecutor(make_config(worker_cls="tests.executor.rpc_worker.FailingInitWorker"))
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < scaled(30)
     assert "worker rank 1 failed to start" in str(info.value)
     assert "no device for rank 1" in str(info.value) and "Traceback" in str(info.value)
 
@@ -206,6 +207,6 @@ def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):
     time.sleep(0.3)
     start = time.monotonic()
     executor.shutdown()
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < scaled(20)
     for pid in pids:
         assert not alive(pid)

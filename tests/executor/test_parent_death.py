@@ -8,6 +8,7 @@ import os
 import time
 
 from tests.process_utils import start_json_script, wait_gone, wait_no_leftovers
+from tests.timeouts import scaled
 
 
 def _wait_gone(proc, info: dict, limit_s: float) -> float:
@@ -27,10 +28,10 @@ def test_sigkill_of_the_engine_process_stops_workers_and_cleans_up():
     proc.kill()
     proc.wait()
     elapsed = _wait_gone(proc, info, limit_s=5.0)
-    assert elapsed < 2.0, f"workers took {elapsed:.2f} s to exit"
+    assert elapsed < scaled(2.0), f"workers took {elapsed:.2f} s to exit"
 
 
 def test_exit_without_shutdown_stops_workers_and_cleans_up():
     proc, info = start_json_script("tests.executor.parent_script", "exit")
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=scaled(60)) == 0
     _wait_gone(proc, info, limit_s=5.0)
