@@ -19,6 +19,7 @@ import psutil
 
 from tests.model.checkpoints import make_checkpoint
 from tests.process_utils import alive, leftovers
+from tests.timeouts import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_TIMEOUT_S = 180.0
@@ -68,7 +69,7 @@ class RemoteServer:
             return f.read()
 
     def wait_ready(self) -> RemoteServer:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + scaled(STARTUP_TIMEOUT_S)
         while self.port is None:
             match = _LISTENING.search(self.log_text())
             if match:
@@ -79,6 +80,9 @@ class RemoteServer:
             else:
                 time.sleep(0.2)
         while httpx.get(self.url + "/health").status_code != 200:
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"/health never answered 200:\n{self.log_text()[-5000:]}")
             time.sleep(0.1)
         self.descendants = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
         return self
@@ -94,7 +98,7 @@ class RemoteServer:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout_s)
+            return self.proc.wait(scaled(timeout_s))
         finally:
             self.kill()
 
