@@ -217,7 +217,7 @@ class GPUModelRunner:
         self, hidden: torch.Tensor, inputs: ModelInputs, req_ids: list[str]
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
-        rows' logprobs; ([], None) off the driver."""
+        rows' logprobs. Off the driver only the LM-head call matters; what it returns is dropped."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
