@@ -56,7 +56,8 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Per sampled token: [sampled token, top-k tokens...] ids and logprobs, and its rank.
+    """Per sampled (or scored prompt) token: [that token, top-k tokens...] ids and logprobs, and
+    its rank.
 
     In one step every row has 1 + k columns, k being the most logprobs any request of the batch
     asked for; consumers keep the first 1 + (their own k) columns.
@@ -74,6 +75,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Row i belongs to the i-th request that sampled, or None without logprobs.
     logprobs: LogprobsLists | None = None
+    # Per request asking for prompt logprobs and scoring prompt tokens this step: one row per
+    # prompt position p run this step, in order, scoring prompt token p + 1 (column 0 and its
+    # rank), then the request's own top k (see worker/prompt_logprobs.py).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
 
 
 # -- what users get ------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def _resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_mode
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one request produced in one step: its new tokens and, once, why it finished."""
+    """What one request produced in one step: its new tokens (and scored prompt positions) and,
+    once, why it finished."""
 
     request_id: str
     new_token_ids: list[int]
@@ -215,6 +216,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     # One row per token in new_token_ids (same layout as ModelRunnerOutput.logprobs).
     new_logprobs: LogprobsLists | None = None
+    # The prompt positions scored this step, in order (ModelRunnerOutput.prompt_logprobs); a
+    # prefill chunk that samples nothing still sends them, with no new tokens.
+    new_prompt_logprobs: LogprobsLists | None = None
     # Prompt tokens served from the prefix cache (the OpenAI usage `cached_tokens`).
     num_cached_tokens: int = 0
 

@@ -23,6 +23,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob and the k most likely tokens' (vLLM's).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,6 +61,12 @@ class SamplingParams:
         )
         _check(
             self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0"
+        )
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "must be >= 0 (vLLM's -1, the whole vocabulary, is not supported)",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
 

@@ -106,11 +106,13 @@ class KVCacheManager:
         """The longest cached prefix of `request`'s full blocks, and the tokens it covers.
 
         Never the whole request: its last token is always left to compute, because the step
-        that computes it is the one that produces the logits for the next token. Takes no
-        reference; pass the blocks to `allocate_slots` in the same scheduling pass.
+        that computes it is the one that produces the logits for the next token. None for a
+        request asking for prompt logprobs: every prompt position's logits are needed (vLLM's
+        rule; its full blocks are still cached for others). Takes no reference; pass the blocks
+        to `allocate_slots` in the same scheduling pass.
         """
         hits = self._empty()
-        if not self.enable_caching:
+        if not self._reads_cache(request):
             return hits, 0
         self._update_block_hashes(request)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -167,6 +169,9 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
         return new_blocks
 
+    def _reads_cache(self, request: Request) -> bool:
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
     def _can_allocate(self, num_new_blocks: int, hits: KVCacheBlocks) -> bool:
         # A hit on a free block leaves the free queue too, so it counts against the pool.
         num_free_hits = sum(1 for group in hits for block in group if block.ref_cnt == 0)
@@ -177,7 +182,7 @@ class KVCacheManager:
         req_blocks = self._empty()
         self.req_to_blocks[request.request_id] = req_blocks
         self.num_cached_blocks[request.request_id] = num_hit_blocks
-        if self.enable_caching:
+        if self._reads_cache(request):
             stats = self.prefix_cache_stats
             stats.num_requests += 1
             stats.num_query_tokens += request.num_tokens

@@ -11,11 +11,13 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    the front of the waiting queue, recomputed from scratch later) and the allocation retried; a
    request may end up preempting itself.
 2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
-   head of the queue is never overtaken). Prefix-cache hits count as computed. Skipped in a step
+   head of the queue is never overtaken). Prefix-cache hits count as computed (a request asking
+   for prompt logprobs gets none: it must compute every prompt position). Skipped in a step
    that preempted: blocks just ran out.
 3. The `SchedulerOutput`: new requests whole, the others as diffs (see `v1engine.outputs`).
 
-`update_from_output()` then records what the step computed and sampled, and finishes requests.
+`update_from_output()` then records what the step computed and sampled, and finishes requests;
+a prefill chunk that samples nothing sends an output only when it carries prompt logprobs.
 """
 
 from __future__ import annotations
@@ -225,6 +227,7 @@ class Scheduler:
         """Records the step: computed tokens, sampled tokens, stops. Returns what changed."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = _logprobs_by_request(model_runner_output)
+        prompt_logprobs = model_runner_output.prompt_logprobs
         outputs = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
@@ -232,7 +235,9 @@ class Scheduler:
                 continue  # aborted after it was scheduled
             assert request.status == RequestStatus.RUNNING, request
             request.num_computed_tokens += num_tokens
-            output = self._update_request(request, sampled.get(req_id, []), logprobs.get(req_id))
+            output = self._update_request(
+                request, sampled.get(req_id, []), logprobs.get(req_id), prompt_logprobs.get(req_id)
+            )
             if output is not None:
                 outputs.append(output)
         if any(request.is_finished() for request in self.running):
@@ -240,7 +245,11 @@ class Scheduler:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
     def _update_request(
-        self, request: Request, sampled: list[int], logprobs: LogprobsLists | None
+        self,
+        request: Request,
+        sampled: list[int],
+        logprobs: LogprobsLists | None,
+        prompt_logprobs: LogprobsLists | None,
     ) -> EngineCoreOutput | None:
         # Workers sample only at the end of the known tokens; a partial prefill samples none.
         assert not sampled or request.num_computed_tokens == request.num_tokens, request
@@ -250,7 +259,7 @@ class Scheduler:
             new_token_ids.append(token_id)
             if check_stop(request, self.max_model_len):
                 break
-        if not new_token_ids:
+        if not new_token_ids and prompt_logprobs is None:
             return None
         if request.is_finished():
             self._free_request(request)
@@ -260,6 +269,7 @@ class Scheduler:
             finish_reason=request.get_finish_reason(),
             stop_reason=request.stop_reason,
             new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
         )
 

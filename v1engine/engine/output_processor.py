@@ -4,6 +4,10 @@ Per request the front end detokenizes incrementally, checks stop strings (the co
 token ids), turns logprob rows into `{token_id: Logprob}` dicts and fans n > 1 children back in
 to one output for their parent.
 
+Prompt logprobs arrive chunk by chunk, the last with the first output token; a chunk without
+tokens yields no `RequestOutput`. They are computed for child 0 of an n > 1 request only (see
+`processor.make_child_requests`) and shown on the parent's outputs.
+
 Stop strings: the text is cut where the earliest stop string starts (kept with
 `include_stop_str_in_output`), the request finishes with finish_reason "stop" and stop_reason the
 string, and its id is returned in `request_ids_to_abort` for the caller to abort in the core. Text
@@ -15,7 +19,7 @@ holds back `max(len(stop)) - 1` characters; holding back only a real partial mat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal
 
 from v1engine.engine.detokenizer import (
@@ -23,6 +27,12 @@ from v1engine.engine.detokenizer import (
     Tokenizer,
     find_stop_string,
     partial_stop_len,
+)
+from v1engine.engine.logprobs import (
+    TokenDecoder,
+    logprob_dicts,
+    new_prompt_logprobs,
+    prompt_logprobs_for_output,
 )
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 from v1engine.sampling_params import SamplingParams
@@ -35,8 +45,6 @@ if TYPE_CHECKING:
 # "final": everything, once, when finished (`LLM.generate`, non-streaming HTTP).
 OutputKind = Literal["cumulative", "delta", "final"]
 _OUTPUT_KINDS = ("cumulative", "delta", "final")
-# Decodes one token id on its own, for `Logprob.decoded_token`.
-_TokenDecoder = Callable[[int], str]
 
 
 class RequestState:
@@ -59,6 +67,10 @@ class RequestState:
         self.output_kind = output_kind
         self.parent = parent
         self.index = index
+        # A child shares its parent's: only child 0 gets prompt logprobs from the core.
+        self.prompt_logprobs = (
+            new_prompt_logprobs(sampling_params) if parent is None else parent.prompt_logprobs
+        )
         self.stop = sampling_params.stop
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
         # No tokenizer (skip_tokenizer_init): token ids only, and the text stays empty.
@@ -81,11 +93,13 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, output: EngineCoreOutput, decode_token: _TokenDecoder) -> bool:
+    def update(self, output: EngineCoreOutput, decode_token: TokenDecoder) -> bool:
         """Applies one step's output; returns True when a stop string ended the request here
         while the core still runs it (so the caller must abort it in the core)."""
         self.token_ids.extend(output.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if self.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
+            self.prompt_logprobs.add(output.new_prompt_logprobs, decode_token)
         if self.logprobs is not None and output.new_logprobs is not None:
             self._add_logprobs(output.new_logprobs, decode_token)
         core_reason = None if output.finish_reason is None else str(output.finish_reason)
@@ -120,19 +134,10 @@ class RequestState:
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
-    def _add_logprobs(self, rows: LogprobsLists, decode_token: _TokenDecoder) -> None:
-        # Row i: column 0 is the sampled token (rank from the sampler), then the top-k by rank.
+    def _add_logprobs(self, rows: LogprobsLists, decode_token: TokenDecoder) -> None:
         assert self.logprobs is not None and self.cumulative_logprob is not None
-        for token_ids, logprobs, sampled_rank in zip(
-            rows.token_ids, rows.logprobs, rows.sampled_token_ranks
-        ):
-            ranks = [sampled_rank, *range(1, len(token_ids))]
-            self.logprobs.append(
-                {
-                    token_id: Logprob(logprob, rank, decode_token(token_id))
-                    for token_id, logprob, rank in zip(token_ids, logprobs, ranks)
-                }
-            )
+        self.logprobs.extend(logprob_dicts(rows, decode_token))
+        for logprobs in rows.logprobs:
             self.cumulative_logprob += logprobs[0]
 
     def make_completion_output(self) -> CompletionOutput | None:
@@ -163,14 +168,15 @@ class ParentState:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        num_children: int,
+        sampling_params: SamplingParams,
         output_kind: OutputKind,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.num_children = num_children
+        self.num_children = sampling_params.n
         self.output_kind = output_kind
+        self.prompt_logprobs = new_prompt_logprobs(sampling_params)
         self.child_ids: dict[int, str] = {}  # index -> child request id, as registered
         self.latest: dict[int, CompletionOutput] = {}  # cumulative/final: last output per child
         self.num_finished = 0
@@ -196,6 +202,7 @@ class ParentState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=sorted(outputs, key=lambda completion: completion.index),
             finished=self.finished,
+            prompt_logprobs=prompt_logprobs_for_output(self.prompt_logprobs, self.output_kind),
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -244,7 +251,7 @@ class OutputProcessor:
             parent = self.parent_states.get(parent_id)
             if parent is None:
                 parent = ParentState(
-                    parent_id, prompt, prompt_token_ids, sampling_params.n, output_kind
+                    parent_id, prompt, prompt_token_ids, sampling_params, output_kind
                 )
             _add_child(parent, request_id, index, sampling_params.n)
             self.parent_states[parent_id] = parent
@@ -277,6 +284,8 @@ class OutputProcessor:
                 continue
             if state.update(output, self._decode_token):
                 request_ids_to_abort.append(state.request_id)
+            if not output.new_token_ids and not state.finished:
+                continue  # a prefill chunk's prompt logprobs: shown with the first token
             if state.finished:
                 del self.request_states[state.request_id]
             completion = state.make_completion_output()
@@ -350,5 +359,6 @@ def _make_request_output(state: RequestState, completion: CompletionOutput) -> R
         prompt_token_ids=state.prompt_token_ids,
         outputs=[completion],
         finished=state.finished,
+        prompt_logprobs=prompt_logprobs_for_output(state.prompt_logprobs, state.output_kind),
         num_cached_tokens=state.num_cached_tokens,
     )

@@ -130,13 +130,17 @@ def make_child_requests(
     """The n core requests behind one request: `(child_id, index, child_params)` each.
 
     Children are ids f"{index}_{parent_id}" with n=1, and seed+index when seeded, so the n
-    samples differ yet a seeded request is reproducible. `dataclasses.replace` runs the params'
-    checks again, so values changed after construction are caught here.
+    samples differ yet a seeded request is reproducible. They share the prompt, so only child 0
+    computes prompt logprobs (the others may use the prefix cache). `dataclasses.replace` runs
+    the params' checks again, so values changed after construction are caught here.
     """
     children = []
     for index in range(sampling_params.n):
         seed = None if sampling_params.seed is None else sampling_params.seed + index
-        child_params = dataclasses.replace(sampling_params, n=1, seed=seed)
+        prompt_logprobs = sampling_params.prompt_logprobs if index == 0 else None
+        child_params = dataclasses.replace(
+            sampling_params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+        )
         children.append((f"{index}_{parent_id}", index, child_params))
     return children
 

@@ -57,7 +57,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one RequestOutput per prompt, in order.
+        """Generates for every prompt; returns one RequestOutput per prompt, in order (with
+        `prompt_logprobs` filled for params that set `SamplingParams.prompt_logprobs`).
 
         Raises:
             ValueError: a bad prompt or sampling value; no request of this call is left running.

@@ -7,8 +7,9 @@ A step (`execute_model`):
 2. `build_model_inputs`: flat input ids and positions, the index of each sampling request's
    last token, and per KV cache group the attention metadata, which the attention backend (chosen
    once, in `load_model`) builds from the group's slot mapping and block table.
-3. forward inside `set_forward_context`, logits only at those last tokens (every rank: the LM
-   head gathers over the tensor-parallel group), then the driver alone samples.
+3. forward inside `set_forward_context`, then logits only at the prompt positions whose
+   prompt logprobs are asked for (`prompt_logprobs.py`) and at those last tokens (every rank:
+   the LM head gathers over the tensor-parallel group); the driver alone samples.
 
 The class runs on CPU or CUDA alike; its name follows vLLM.
 """
@@ -29,7 +30,7 @@ from v1engine.model.layers.attention import Attention, get_attention_layers, set
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
-from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import (
@@ -46,6 +47,7 @@ from v1engine.worker.model_inputs import (
     dummy_sampling_metadata,
     to_logprobs_lists,
 )
+from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
 from v1engine.worker.request_states import RequestStates
 
 logger = init_logger(__name__)
@@ -78,6 +80,7 @@ class GPUModelRunner:
         self.sampler = Sampler()
         # The request states and the persistent batch; built with the KV cache.
         self.states: RequestStates | None = None
+        self.prompt_logprobs_states = PromptLogprobsStates()
         # Per KV cache group, the spec its attention metadata is built for.
         self.kv_cache_group_specs: list[AttentionSpec] = []
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -189,24 +192,43 @@ class GPUModelRunner:
                 f"total_num_scheduled_tokens={scheduler_output.total_num_scheduled_tokens} but "
                 f"num_scheduled_tokens sums to {int(query_lens.sum())}"
             )
-        sampled: list[list[int]] = [[] for _ in req_ids]
         if not req_ids:
-            return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
+            return ModelRunnerOutput(req_ids, []) if self.is_driver else None
         inputs = build_model_inputs(
             batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
         hidden = self._forward(inputs)
-        if not inputs.sampling_rows:  # only partial prefill chunks
-            return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
-        # Every rank: the LM head all-gathers the vocabulary shards.
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
+        prompt_logprobs = self._prompt_logprobs(hidden, query_lens)
+        sampled, logprobs = self._sample(hidden, inputs, req_ids)
         if not self.is_driver:
             return None
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, query_lens: np.ndarray
+    ) -> dict[str, LogprobsLists]:
+        plan = self.prompt_logprobs_states.plan(self.states.input_batch, query_lens, self.device)
+        if plan is None:
+            return {}
+        return compute_prompt_logprobs(self.model.compute_logits, hidden, plan, self.is_driver)
+
+    def _sample(
+        self, hidden: torch.Tensor, inputs: ModelInputs, req_ids: list[str]
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
+        rows' logprobs. Off the driver only the LM-head call matters; what it returns is dropped."""
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if not inputs.sampling_rows:  # only partial prefill chunks
+            return sampled, None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        if not self.is_driver:
+            return [], None
         states = [self.states.requests[req_ids[row]] for row in inputs.sampling_rows]
         output = self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
         for row, token_id in zip(inputs.sampling_rows, output.sampled_token_ids.tolist()):
             sampled[row] = [token_id]
-        return ModelRunnerOutput(req_ids, sampled, to_logprobs_lists(output.logprobs))
+        return sampled, to_logprobs_lists(output.logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.states is None:
@@ -215,3 +237,4 @@ class GPUModelRunner:
                 "first (run the start-up handshake)"
             )
         self.states.update(scheduler_output)
+        self.prompt_logprobs_states.update(scheduler_output)
