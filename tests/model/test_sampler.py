@@ -275,3 +275,18 @@ def test_seeded_and_greedy_on_gpu() -> None:
         assert torch.equal(out[greedy_rows], batch[greedy_rows].argmax(-1))
         tokens.append(out[position].item())
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+def test_logit_bias_and_masks_on_gpu_match_cpu() -> None:
+    logits = _logits(4)
+    lists = dict(
+        logit_bias=[{3: 100.0}, None, None, {1: -5.0}],
+        allowed_token_ids=[None, [4, 8, 9], None, None],
+        banned_token_ids=[[], [8], [int(logits[2].argmax())], []],
+    )
+    cpu = SamplingMetadata.from_lists([0.0] * 4, _VOCAB, **lists)
+    gpu = SamplingMetadata.from_lists([0.0] * 4, _VOCAB, "cuda", **lists)
+    expected = Sampler()(logits, cpu).sampled_token_ids
+    assert torch.equal(Sampler()(logits.cuda(), gpu).sampled_token_ids.cpu(), expected)
+    assert expected[0] == 3 and expected[1] in (4, 9)
