@@ -12,6 +12,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from tests.entrypoints.llm_utils import make_llm
 from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
 from tests.timeouts import scaled
 from v1engine.engine.async_llm import AsyncLLM
@@ -202,3 +203,12 @@ async def _last(outputs):
     async for output in outputs:
         last = output
     return last
+
+
+def test_bad_words_without_a_tokenizer_are_refused(checkpoint):
+    with make_llm(checkpoint, tensor_parallel_size=1) as llm:
+        with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+            llm.generate([[5, 6]], greedy(bad_words=["fox"]), use_tqdm=False)
+        # Token-id fields need none.
+        output = llm.generate([[5, 6]], greedy(max_tokens=3, logit_bias={7: 100.0}), use_tqdm=False)
+        assert output[0].outputs[0].token_ids == [7, 7, 7]

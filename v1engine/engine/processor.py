@@ -101,11 +101,13 @@ class Processor:
         """
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; ban token ids with logit_bias -100")
         prompt_token_ids = truncate_prompt(
             prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len
         )
         if params.bad_words:
-            token_ids = bad_words_token_ids(self._require_tokenizer("bad_words"), params.bad_words)
+            token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
         parent = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id)
         info = self.info
