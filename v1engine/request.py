@@ -7,6 +7,7 @@ the client and the engine process, so they are `msgspec.Struct`s (msgpack, never
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Container
@@ -61,6 +62,24 @@ def validate_request(
     if request_id in live_request_ids:
         raise ValueError(f"request id {request_id!r} is already in use")
     request.sampling_params.validate()
+    if vocab_size is not None:
+        _check_sampling_token_ids(request_id, request.sampling_params, vocab_size)
+
+
+def _check_sampling_token_ids(request_id: str, params: SamplingParams, vocab_size: int) -> None:
+    """The sampler indexes the logits with these ids, so each must be in the vocabulary."""
+    bad_words_ids = [t for ids in params._bad_words_token_ids or [] for t in ids]
+    for name, ids in (
+        ("logit_bias", list(params.logit_bias or ())),
+        ("allowed_token_ids", params.allowed_token_ids or []),
+        ("bad_words", bad_words_ids),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: SamplingParams.{name} has token ids {bad[:5]} outside "
+                f"the vocabulary; this model's ids are in [0, {vocab_size})"
+            )
 
 
 class FinishReason(str, enum.Enum):
@@ -118,6 +137,10 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        if sampling_params.min_tokens > 0 and sampling_params._eos_token_id != eos_token_id:
+            # The workers mask EOS until min_tokens and know it only from the params (a copy:
+            # the caller's params may be shared).
+            sampling_params = dataclasses.replace(sampling_params, _eos_token_id=eos_token_id)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -181,20 +204,28 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
     Order (the first that applies names the reason): EOS, unless `ignore_eos` or the model has
     no EOS token; one of `stop_token_ids` (recorded as `stop_reason`); `max_tokens`;
-    `max_model_len`. The stopping token stays in the output, as in vLLM.
+    `max_model_len`. EOS and stop tokens count only once the output has `min_tokens` tokens
+    (the sampler masks them before). The stopping token stays in the output, as in vLLM.
     """
+    held_off = request.num_output_tokens < request.sampling_params.min_tokens
+    if not held_off and _stopped_by_token(request):
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+def _stopped_by_token(request: Request) -> bool:
+    """Whether the last output token is EOS (not ignored) or a stop token (then `stop_reason`)."""
     last_token_id = request.output_token_ids[-1]
     params = request.sampling_params
     eos_token_id = request.eos_token_id
     if not params.ignore_eos and eos_token_id is not None and last_token_id == eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
         return True
     if last_token_id in params.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last_token_id
-        return True
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
 

@@ -28,12 +28,27 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    # OpenAI's logit_bias: token id -> value added to its logit before sampling.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Keep only the last k prompt tokens; -1: as many as max_model_len leaves room for.
+    truncate_prompt_tokens: int | None = None
+    # Set by the engine, not by users (vLLM's names): each bad word as token-id sequences
+    # (tokenized by the processor), and the EOS id the workers mask until min_tokens.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    _eos_token_id: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -69,10 +84,52 @@ class SamplingParams:
             "must be >= 0 (vLLM's -1, the whole vocabulary, is not supported)",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        self._validate_token_constraints()
+
+    def _validate_token_constraints(self) -> None:
+        max_tokens = self.max_tokens
+        _check(
+            0 <= self.min_tokens and (max_tokens is None or self.min_tokens <= max_tokens),
+            "min_tokens",
+            self.min_tokens,
+            f"must be in [0, max_tokens={max_tokens}]",
+        )
+        bias = self.logit_bias or {}
+        out_of_range = {t: b for t, b in bias.items() if not -100.0 <= b <= 100.0}
+        _check(not out_of_range, "logit_bias", out_of_range, "values must be in [-100, 100]")
+        _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            "allowed_token_ids",
+            self.allowed_token_ids,
+            "must not be empty (None allows every token)",
+        )
+        _check(
+            all(w.strip() for w in self.bad_words or []),
+            "bad_words",
+            self.bad_words,
+            "must not contain empty or blank strings",
+        )
+        truncate = self.truncate_prompt_tokens
+        _check(
+            truncate is None or truncate == -1 or truncate >= 1,
+            "truncate_prompt_tokens",
+            truncate,
+            "must be >= 1, or -1 (as many as max_model_len allows)",
+        )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _int_keys(logit_bias: dict) -> dict[int, float]:
+    # JSON objects have string keys: {"50256": -100} means token 50256.
+    try:
+        return {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"SamplingParams.logit_bias must map token ids to numbers, got {logit_bias!r}"
+        ) from e
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

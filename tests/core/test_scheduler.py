@@ -196,6 +196,9 @@ def _scripted(script: list[int]):
         ({"stop_token_ids": [7], "ignore_eos": True}, 2, [5, 6, 2, 7], "stop", 7),
         ({"stop_token_ids": [2]}, 2, [5, 6, 2], "stop", None),  # EOS is checked first
         ({"max_tokens": 2}, 2, [5, 6], "length", None),
+        ({"min_tokens": 4}, 2, [5, 6, 2, 7, 8], "length", None),  # EOS 3rd: held off
+        ({"min_tokens": 3}, 2, [5, 6, 2], "stop", None),  # EOS once min_tokens are out
+        ({"stop_token_ids": [6], "min_tokens": 3}, 2, [5, 6, 2], "stop", None),
     ],
 )
 def test_stop_conditions(kwargs, eos, expected, reason, stop_reason) -> None:

@@ -110,6 +110,19 @@ def test_special_tokens_skipped_or_kept(tokenizer):
     assert "".join(kept.update([t]) for t in output_ids) == "Hi<|im_end|>"
 
 
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens_match_full_decode(tokenizer, spaces):
+    # Special tokens between words: the deltas agree with one full decode under either setting
+    # (SmolLM2's fast tokenizer, like vLLM's fast path, adds no spaces either way).
+    output_ids = tokenizer.encode("Hi") + [2, 1] + tokenizer.encode(" there") + [2]
+    detok = IncrementalDetokenizer(tokenizer, [], False, spaces_between_special_tokens=spaces)
+    text = "".join(detok.update([t]) for t in output_ids)
+    expected = tokenizer.decode(
+        output_ids, skip_special_tokens=False, spaces_between_special_tokens=spaces
+    )
+    assert text == expected == "Hi<|im_end|><|im_start|> there<|im_end|>"
+
+
 class _CountingTokenizer:
     """Records the longest id list each decode call sees."""
 
@@ -117,9 +130,9 @@ class _CountingTokenizer:
         self.tokenizer = tokenizer
         self.max_ids = 0
 
-    def decode(self, token_ids, skip_special_tokens=False):
+    def decode(self, token_ids, **kwargs):
         self.max_ids = max(self.max_ids, len(token_ids))
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(token_ids, **kwargs)
 
 
 def test_work_per_step_does_not_grow_with_output(tokenizer):

@@ -1,4 +1,5 @@
-"""Sampler semantics: greedy, truncation supports, penalties, seeded determinism, logprobs."""
+"""Sampler semantics: greedy, truncation supports, penalties, logit bias and token masks, seeded
+determinism, logprobs."""
 
 from __future__ import annotations
 
@@ -123,6 +124,78 @@ def test_penalty_changes_greedy_choice() -> None:
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [1]
 
 
+def test_logit_bias_forces_a_token_in_its_row_only() -> None:
+    logits = _logits(3)
+    forced = int(logits[1].argmin())
+    metadata = SamplingMetadata.from_lists(
+        [0.0, 0.7, 0.0], _VOCAB, logit_bias=[None, {forced: 100.0}, {}], max_num_logprobs=1
+    )
+    assert metadata.logit_bias_rows.tolist() == [1]  # an empty dict is no bias
+    out = Sampler()(logits, metadata)
+    assert out.sampled_token_ids[1] == forced
+    assert out.sampled_token_ids[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+    # Logprobs stay raw: the bias changes what is sampled, not the model's logprob of it.
+    raw = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(
+        out.logprobs.logprobs[:, 0], raw.gather(1, out.sampled_token_ids[:, None])[:, 0]
+    )
+    assert out.logprobs.sampled_token_ranks[1] > 1
+
+
+def test_negative_logit_bias_moves_greedy_to_the_runner_up() -> None:
+    logits = _logits(1, seed=2)
+    top2 = logits[0].topk(2).indices.tolist()
+    metadata = SamplingMetadata.from_lists([0.0], _VOCAB, logit_bias=[{top2[0]: -100.0}])
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [top2[1]]
+
+
+def test_allowed_token_ids_restrict_support_in_a_mixed_batch() -> None:
+    allowed = [3, 7, 11, 30]
+    support = _sample_support(torch.zeros(1, _VOCAB), allowed_token_ids=allowed)
+    assert support == set(allowed)  # every allowed token is drawn from a uniform row
+    # Greedy: the best allowed token; a row without the list is untouched.
+    logits = _logits(2, seed=4)
+    metadata = SamplingMetadata.from_lists([0.0, 0.0], _VOCAB, allowed_token_ids=[allowed, None])
+    out = Sampler()(logits, metadata).sampled_token_ids.tolist()
+    assert out == [allowed[int(logits[0, allowed].argmax())], int(logits[1].argmax())]
+
+
+def test_banned_tokens_are_never_sampled() -> None:
+    logits = torch.zeros(1, _VOCAB)
+    logits[0, :4] = 5.0  # four favourites, two of them banned
+    support = _sample_support(logits, banned_token_ids=[0, 2])
+    assert support & {0, 2} == set() and {1, 3} <= support
+    greedy = SamplingMetadata.from_lists([0.0, 0.0], _VOCAB, banned_token_ids=[[0, 1, 2], []])
+    assert Sampler()(logits.expand(2, -1), greedy).sampled_token_ids.tolist() == [3, 0]
+
+
+def test_masks_win_over_bias_and_combine_with_penalties() -> None:
+    logits = _logits(1, seed=6)
+    metadata = SamplingMetadata.from_lists(
+        [0.0], _VOCAB, logit_bias=[{5: 100.0, 9: 50.0}], allowed_token_ids=[[1, 5, 9]],
+        banned_token_ids=[[5]], repetition_penalty=[2.0], output_token_ids=[[9]],
+    )  # fmt: skip
+    # 5 is banned despite its bias; 9 keeps its bias (penalized, still far above token 1).
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [9]
+    only_outside = SamplingMetadata.from_lists(
+        [0.0], _VOCAB, logit_bias=[{5: 100.0}], allowed_token_ids=[[1, 2]]
+    )
+    assert Sampler()(logits, only_outside).sampled_token_ids.item() in (1, 2)
+
+
+def test_no_masks_no_bias_tensor() -> None:
+    metadata = SamplingMetadata.from_lists(
+        [1.0, 0.0], _VOCAB, logit_bias=[None, None], allowed_token_ids=[None, None],
+        banned_token_ids=[[], []],
+    )  # fmt: skip
+    assert metadata.logit_bias is None and metadata.logit_bias_rows is None
+    metadata = SamplingMetadata.from_lists(
+        [1.0, 0.0, 1.0], _VOCAB, banned_token_ids=[[], [4], []], allowed_token_ids=[None, None, [2]]
+    )
+    assert metadata.logit_bias_rows.tolist() == [1, 2]
+    assert metadata.logit_bias.shape == (2, _VOCAB)
+
+
 def _seeded_tokens(logits_row: torch.Tensor, position: int, batch_size: int, steps: int) -> list:
     """Tokens of one seeded request placed at `position` in a batch of random neighbours."""
     generator = torch.Generator().manual_seed(42)
@@ -202,3 +275,18 @@ def test_seeded_and_greedy_on_gpu() -> None:
         assert torch.equal(out[greedy_rows], batch[greedy_rows].argmax(-1))
         tokens.append(out[position].item())
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+def test_logit_bias_and_masks_on_gpu_match_cpu() -> None:
+    logits = _logits(4)
+    lists = dict(
+        logit_bias=[{3: 100.0}, None, None, {1: -5.0}],
+        allowed_token_ids=[None, [4, 8, 9], None, None],
+        banned_token_ids=[[], [8], [int(logits[2].argmax())], []],
+    )
+    cpu = SamplingMetadata.from_lists([0.0] * 4, _VOCAB, **lists)
+    gpu = SamplingMetadata.from_lists([0.0] * 4, _VOCAB, "cuda", **lists)
+    expected = Sampler()(logits, cpu).sampled_token_ids
+    assert torch.equal(Sampler()(logits.cuda(), gpu).sampled_token_ids.cpu(), expected)
+    assert expected[0] == 3 and expected[1] in (4, 9)

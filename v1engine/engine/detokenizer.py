@@ -30,14 +30,19 @@ _REPLACEMENT_CHAR = "\ufffd"
 class Tokenizer(Protocol):
     """The only tokenizer method detokenization needs (any Hugging Face tokenizer has it)."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = ...,
+        spaces_between_special_tokens: bool = ...,
+    ) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas.
 
     Invariant: the concatenation of all deltas, the last one from `update(..., finished=True)`,
-    equals `tokenizer.decode(output_token_ids, skip_special_tokens=...)` for byte-level BPE
+    equals `tokenizer.decode(output_token_ids, skip_special_tokens=..., ...)` for byte-level BPE
     tokenizers (GPT-2, Llama 3, SmolLM2, Qwen). Documented exceptions, both from decoding the
     output in the context of the prompt's last tokens, as a user reading prompt + output expects:
     for SentencePiece tokenizers the first delta keeps the leading space that decoding the output
@@ -52,9 +57,13 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Honoured by tokenizers whose decode joins special tokens itself; fast (Rust)
+        # tokenizers ignore it, as they do in vLLM.
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         # Only the decode window is kept: tokens before it never need decoding again.
         self._token_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._token_ids)
@@ -84,7 +93,11 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
 
 # Stop strings are matched on text, so their helpers live here, beside the detokenizer (as in vLLM).

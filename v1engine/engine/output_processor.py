@@ -74,9 +74,16 @@ class RequestState:
         self.stop = sampling_params.stop
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
         # No tokenizer (skip_tokenizer_init): token ids only, and the text stays empty.
-        self.detokenizer = (
-            None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        )
+        self.detokenizer = None
+        if tokenizer is not None:
+            self.detokenizer = IncrementalDetokenizer(
+                tokenizer,
+                prompt_token_ids,
+                sampling_params.skip_special_tokens,
+                sampling_params.spaces_between_special_tokens,
+            )
+        # Stop strings count only once the output has min_tokens tokens (as vLLM).
+        self.min_tokens = sampling_params.min_tokens
         self.output_text = ""
         self.num_visible_chars = 0  # output_text[:num_visible_chars] may be shown to the client
         self.num_sent_chars = 0  # delta mode: what the client has already been sent
@@ -111,7 +118,8 @@ class RequestState:
         if self.detokenizer is not None:
             delta = self.detokenizer.update(text_token_ids, finished=core_reason is not None)
         self.output_text += delta
-        if self._check_stop_strings(len(delta)):
+        held_off = len(self.token_ids) < self.min_tokens
+        if not held_off and self._check_stop_strings(len(delta)):
             return core_reason is None
         if core_reason is not None:
             self.finish_reason, self.stop_reason = core_reason, output.stop_reason

@@ -91,13 +91,24 @@ class Processor:
         """Registers the request (its n children when n > 1) with the output processor and
         returns the core requests to send, in order.
 
+        The prompt is first cut to its last `params.truncate_prompt_tokens` tokens, and bad
+        words are tokenized into `params._bad_words_token_ids` (on a copy) for the workers.
+
         Raises:
             ValueError: the request cannot be served (empty or too long a prompt, token ids
-                outside the vocabulary, bad sampling values, stop strings without a tokenizer,
-                an id already in use), named by `request_id`; nothing is registered.
+                outside the vocabulary, bad sampling values, stop strings or bad words without a
+                tokenizer, an id already in use), named by `request_id`; nothing is registered.
         """
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; ban token ids with logit_bias -100")
+        prompt_token_ids = truncate_prompt(
+            prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len
+        )
+        if params.bad_words:
+            token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
         parent = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id)
         info = self.info
         in_use = self.output_processor.parent_states
@@ -122,6 +133,31 @@ class Processor:
                 f"{what} need a tokenizer; pass token ids, or do not set skip_tokenizer_init"
             )
         return self.tokenizer
+
+
+def truncate_prompt(
+    prompt_token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int
+) -> list[int]:
+    """The last `truncate_prompt_tokens` prompt tokens (all of them when None); -1 keeps as many
+    as leave room for one output token (vLLM's -1 means max_model_len, but a prompt here must be
+    shorter than max_model_len)."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return prompt_token_ids[-keep:]
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token-id sequences, as vLLM bans them: the word as written and after a
+    space (BPE vocabularies spell a word at the start of text and inside it differently),
+    without special tokens, each distinct sequence once."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if token_ids and token_ids not in sequences:
+                sequences.append(token_ids)
+    return sequences
 
 
 def make_child_requests(

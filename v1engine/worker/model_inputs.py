@@ -20,7 +20,8 @@ import torch
 
 from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers.attention_backend import AttentionBackend, CommonAttentionMetadata
-from v1engine.model.layers.sampler import LogprobsTensors, SamplingMetadata
+from v1engine.model.layers.sampler import LogprobsTensors
+from v1engine.model.layers.sampling_metadata import SamplingMetadata
 from v1engine.outputs import LogprobsLists
 from v1engine.sampling_params import SamplingParams
 from v1engine.utils import cdiv
@@ -191,7 +192,9 @@ def build_dummy_model_inputs(
 # From request states to the sampler's `SamplingMetadata`, and from its output to lists.
 #
 # Only the driver (rank 0) samples. Penalties need every request's prompt and output tokens, so
-# those lists are passed only when some request in the batch turns a penalty on.
+# those lists are passed only when some request in the batch turns a penalty on; likewise the
+# logit-bias and mask lists only when some request uses logit_bias, allowed_token_ids, bad words
+# or min_tokens.
 #
 # The profiling run samples with every stage on, so its memory peak covers the costliest step.
 _PROFILE_NUM_LOGPROBS = 20
@@ -205,12 +208,36 @@ def _has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def _has_masks(params: SamplingParams) -> bool:
+    uses_masks = params.logit_bias or params.allowed_token_ids or params._bad_words_token_ids
+    return params.min_tokens > 0 or bool(uses_masks)
+
+
+def banned_token_ids(state: CachedRequestState, vocab_size: int) -> list[int]:
+    """Tokens the request must not sample next: EOS (unless ignored) and its stop tokens while
+    the output is shorter than min_tokens, and the last token of each bad word whose other
+    tokens end the output so far (a one-token bad word always)."""
+    params, output = state.sampling_params, state.output_token_ids
+    banned = []
+    if len(output) < params.min_tokens:
+        banned += params.stop_token_ids
+        if not params.ignore_eos and params._eos_token_id is not None:
+            banned.append(params._eos_token_id)
+    for word in params._bad_words_token_ids or []:
+        prefix_len = len(word) - 1
+        if prefix_len <= len(output) and output[len(output) - prefix_len :] == word[:-1]:
+            banned.append(word[-1])
+    # A stop token id outside the vocabulary can never be sampled anyway.
+    return [t for t in banned if 0 <= t < vocab_size]
+
+
 def build_sampling_metadata(
     states: list[CachedRequestState], vocab_size: int, device: torch.device
 ) -> SamplingMetadata:
     """One row per state, in order; seeded requests bring their own generators."""
     params = [state.sampling_params for state in states]
     penalties = any(_has_penalties(p) for p in params)
+    masks = any(_has_masks(p) for p in params)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata.from_lists(
         temperature=[p.temperature for p in params],
@@ -224,6 +251,9 @@ def build_sampling_metadata(
         repetition_penalty=[p.repetition_penalty for p in params],
         prompt_token_ids=[s.prompt_token_ids for s in states] if penalties else None,
         output_token_ids=[s.output_token_ids for s in states] if penalties else None,
+        logit_bias=[p.logit_bias for p in params] if masks else None,
+        allowed_token_ids=[p.allowed_token_ids for p in params] if masks else None,
+        banned_token_ids=[banned_token_ids(s, vocab_size) for s in states] if masks else None,
         generators={
             row: state.generator for row, state in enumerate(states) if state.generator is not None
         },
@@ -234,8 +264,11 @@ def build_sampling_metadata(
 def dummy_sampling_metadata(
     num_reqs: int, vocab_size: int, prompt_len: int, device: torch.device
 ) -> SamplingMetadata:
-    """Random sampling with top-k, top-p, min-p, all penalties and logprobs, for profiling."""
+    """Random sampling with every stage on (logit bias and masks over all rows, top-k, top-p,
+    min-p, all penalties and logprobs), for profiling."""
     prompt = list(range(min(prompt_len, vocab_size)))
+    # A few allowed tokens are enough: the mask's [num_reqs, vocab_size] tensor is the cost.
+    allowed = list(range(min(vocab_size, _PROFILE_NUM_LOGPROBS)))
     return SamplingMetadata.from_lists(
         temperature=[1.0] * num_reqs,
         vocab_size=vocab_size,
@@ -248,6 +281,9 @@ def dummy_sampling_metadata(
         repetition_penalty=[1.1] * num_reqs,
         prompt_token_ids=[prompt] * num_reqs,
         output_token_ids=[prompt[:1]] * num_reqs,
+        logit_bias=[{allowed[0]: 1.0}] * num_reqs,
+        allowed_token_ids=[allowed] * num_reqs,
+        banned_token_ids=[allowed[1:2]] * num_reqs,
         max_num_logprobs=_PROFILE_NUM_LOGPROBS,
     )
 

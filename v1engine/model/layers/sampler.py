@@ -1,172 +1,30 @@
-"""The sampler and the per-step metadata it reads. Sampling a batch: penalties, temperature,
-top-k / top-p / min-p, then a draw.
+"""The sampler: logit bias and token masks, penalties, temperature, top-k / top-p / min-p, then
+a draw. What it reads per step is `SamplingMetadata` (sampling_metadata.py).
 
 Order per row (HF's and vLLM's): logprobs from the raw logits (vLLM's default "raw logprobs":
-before penalties, temperature and truncation, so they describe the model, not the sampler), then
-repetition / frequency / presence penalties, then greedy rows take the argmax; random rows divide
-by their temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then the
-smallest set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and draw
-with the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability
-probs[i]. The race needs no cumulative sum over the vocabulary and no host sync; a seeded row
-draws its q from its own generator, so its tokens depend only on its seed and logits, never on
-which other requests share the batch. Everything stays on the device: the caller moves
-`sampled_token_ids` to the host once.
+before bias, masks, penalties, temperature and truncation, so they describe the model, not the
+sampler), then `logit_bias` and the token masks (`allowed_token_ids`, bad words, EOS and stop
+tokens before `min_tokens`) as one additive tensor with -inf at masked tokens, then repetition /
+frequency / presence penalties, then greedy rows take the argmax; random rows divide by their
+temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then the smallest
+set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and draw with the
+exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i].
+The race needs no cumulative sum over the vocabulary and no host sync; a seeded row draws its q
+from its own generator, so its tokens depend only on its seed and logits, never on which other
+requests share the batch. Everything stays on the device: the caller moves `sampled_token_ids` to
+the host once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-# Temperatures below this are greedy: dividing by them would overflow the logits.
-GREEDY_TEMPERATURE = 1e-5
+from v1engine.model.layers.sampling_metadata import GREEDY_TEMPERATURE, SamplingMetadata
 
 
-# Per-step sampling parameters of a batch, as device tensors the `Sampler` reads.
-#
-# One row per request, in batch order. Each optional tensor is None when the feature is off for
-# every row, and the host-side flags (`all_greedy`, `all_random`, `no_penalties`) are known without
-# reading device memory, so the sampler skips whole stages without a host sync. "Off" values inside
-# a tensor leave their row untouched: top_k <= 0 or >= vocab, top_p >= 1, min_p 0, penalties 0
-# (presence/frequency) and 1 (repetition). Values are validated by `SamplingParams`, not here.
-@dataclass
-class SamplingMetadata:
-    # [num_reqs] fp32; < GREEDY_TEMPERATURE means greedy (argmax).
-    temperature: torch.Tensor
-    all_greedy: bool
-    all_random: bool
-    # [num_reqs] int64 or None.
-    top_k: torch.Tensor | None = None
-    # [num_reqs] fp32 or None.
-    top_p: torch.Tensor | None = None
-    # [num_reqs] fp32 or None: keep tokens with prob >= min_p * the row's largest prob.
-    min_p: torch.Tensor | None = None
-    # Row index -> generator (on the logits' device) of a seeded request; other rows share one
-    # batched draw from the default generator.
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
-    # None: no logprobs. k >= 0: the sampled token's logprob plus the k most likely tokens'.
-    max_num_logprobs: int | None = None
-    no_penalties: bool = True
-    # [num_reqs] fp32 each; read only when no_penalties is False.
-    presence_penalties: torch.Tensor | None = None
-    frequency_penalties: torch.Tensor | None = None
-    repetition_penalties: torch.Tensor | None = None
-    # [num_reqs, vocab_size] int32: how often each token occurs in the request's output so far.
-    output_token_counts: torch.Tensor | None = None
-    # [num_reqs, vocab_size] bool: tokens of the prompt (repetition penalty covers them too).
-    prompt_token_mask: torch.Tensor | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return self.temperature.shape[0]
-
-    @classmethod
-    def from_lists(
-        cls,
-        temperature: list[float],
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        *,
-        top_k: list[int] | None = None,
-        top_p: list[float] | None = None,
-        min_p: list[float] | None = None,
-        presence_penalty: list[float] | None = None,
-        frequency_penalty: list[float] | None = None,
-        repetition_penalty: list[float] | None = None,
-        prompt_token_ids: list[list[int]] | None = None,
-        output_token_ids: list[list[int]] | None = None,
-        generators: dict[int, torch.Generator] | None = None,
-        max_num_logprobs: int | None = None,
-    ) -> SamplingMetadata:
-        """Builds the tensors from per-request Python values (a list left None is off for all
-        rows); the flags come from the lists, so building needs no device reads."""
-        num_reqs = len(temperature)
-        per_request = dict(
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-        )
-        for name, values in per_request.items():
-            if values is not None and len(values) != num_reqs:
-                raise ValueError(f"{name} has {len(values)} entries for {num_reqs} requests")
-        greedy = [t < GREEDY_TEMPERATURE for t in temperature]
-        penalty_lists = (presence_penalty, frequency_penalty, repetition_penalty)
-        token_lists = (prompt_token_ids, output_token_ids)
-        penalties = _penalty_fields(num_reqs, vocab_size, device, *penalty_lists, *token_lists)
-        return cls(
-            temperature=_tensor(temperature, torch.float32, device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            top_k=_tensor_if(top_k, lambda k: 0 < k < vocab_size, torch.int64, device),
-            top_p=_tensor_if(top_p, lambda p: p < 1.0, torch.float32, device),
-            min_p=_tensor_if(min_p, lambda p: p > 0.0, torch.float32, device),
-            generators=dict(generators or {}),
-            max_num_logprobs=max_num_logprobs,
-            **penalties,
-        )
-
-
-def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _tensor_if(values, is_on, dtype: torch.dtype, device: torch.device | str):
-    """The values as a tensor if any row turns the feature on, else None (skipped)."""
-    if values is None or not any(is_on(v) for v in values):
-        return None
-    return _tensor(values, dtype, device)
-
-
-def _penalty_fields(
-    num_reqs: int,
-    vocab_size: int,
-    device: torch.device | str,
-    presence: list[float] | None,
-    frequency: list[float] | None,
-    repetition: list[float] | None,
-    prompt_token_ids: list[list[int]] | None,
-    output_token_ids: list[list[int]] | None,
-) -> dict:
-    on = any(p != 0.0 for p in presence or []) or any(f != 0.0 for f in frequency or [])
-    on = on or any(r != 1.0 for r in repetition or [])
-    if not on:
-        return {"no_penalties": True}
-    prompt_mask = None
-    if prompt_token_ids is not None:
-        prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
-    return {
-        "no_penalties": False,
-        "presence_penalties": _tensor(presence or [0.0] * num_reqs, torch.float32, device),
-        "frequency_penalties": _tensor(frequency or [0.0] * num_reqs, torch.float32, device),
-        "repetition_penalties": _tensor(repetition or [1.0] * num_reqs, torch.float32, device),
-        "output_token_counts": _token_counts(
-            output_token_ids or [[]] * num_reqs, vocab_size, device
-        ),
-        "prompt_token_mask": prompt_mask,
-    }
-
-
-def _token_counts(
-    token_ids: list[list[int]], vocab_size: int, device: torch.device | str
-) -> torch.Tensor:
-    """[num_reqs, vocab_size] int32 occurrence counts of ragged token-id lists."""
-    width = max(1, max(map(len, token_ids), default=0))
-    # Pad with vocab_size: those land in an extra column that is dropped.
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.int64, device=device)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.int32))
-    return counts[:, :vocab_size]
-
-
-# -- the sampler -------------------------------------------------------------------------------
 @dataclass
 class LogprobsTensors:
     # [num_reqs, 1 + k] int64: column 0 is the sampled token, then the k most likely tokens.
@@ -191,6 +49,9 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if metadata.logit_bias is not None:
+            # Out of place: `logits` may still be the caller's tensor.
+            logits = logits.index_add(0, metadata.logit_bias_rows, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         sampled = sample(logits, metadata)
