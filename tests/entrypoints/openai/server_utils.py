@@ -115,7 +115,7 @@ class RemoteServer:
         """Every process the server started has exited, and nothing named after them is left
         in /dev/shm or the temp directory."""
         pids = [self.proc.pid, *self.descendants]
-        deadline = time.monotonic() + limit_s
+        deadline = time.monotonic() + scaled(limit_s)
         while time.monotonic() < deadline and (
             any(alive(p) for p in pids) or any(leftovers(p) for p in pids)
         ):

@@ -83,24 +83,14 @@ class SamplingMetadata:
         """Builds the tensors from per-request Python values (a list left None is off for all
         rows; `banned_token_ids` are the tokens each row must not sample this step); the flags
         come from the lists, so building needs no device reads."""
+        # Every list argument has one entry per request (read before any local is bound).
+        _check_num_rows(
+            len(temperature), {k: v for k, v in locals().items() if isinstance(v, list)}
+        )
         num_reqs = len(temperature)
         penalty_lists = (presence_penalty, frequency_penalty, repetition_penalty)
         token_lists = (prompt_token_ids, output_token_ids)
         masks = (logit_bias, allowed_token_ids, banned_token_ids)
-        _check_num_rows(
-            num_reqs,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-            logit_bias=logit_bias,
-            allowed_token_ids=allowed_token_ids,
-            banned_token_ids=banned_token_ids,
-        )
         greedy = [t < GREEDY_TEMPERATURE for t in temperature]
         penalties = _penalty_fields(num_reqs, vocab_size, device, *penalty_lists, *token_lists)
         return cls(
@@ -117,9 +107,9 @@ class SamplingMetadata:
         )
 
 
-def _check_num_rows(num_reqs: int, **per_request: list | None) -> None:
+def _check_num_rows(num_reqs: int, per_request: dict[str, list]) -> None:
     for name, values in per_request.items():
-        if values is not None and len(values) != num_reqs:
+        if len(values) != num_reqs:
             raise ValueError(f"{name} has {len(values)} entries for {num_reqs} requests")
 
 
