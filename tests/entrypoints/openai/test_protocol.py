@@ -1,5 +1,6 @@
 """The request models without a server: request JSON -> SamplingParams, the fields a request
-ignores, and the logprobs shapes the responses use."""
+ignores, the logprobs shapes the responses use, and an echo response assembled from engine
+outputs (built here, so that it is tested before the engine computes prompt logprobs)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ import asyncio
 
 import pytest
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
+from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.logprobs import (
     completion_logprobs,
     prompt_logprobs_field,
     prompt_rows,
 )
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_outputs import merge_async_iterators
-from v1engine.outputs import Logprob
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 from v1engine.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -189,9 +193,7 @@ def test_merge_interleaves_all_items_with_their_iterator_index():
 def test_closing_the_merge_early_closes_every_stream():
     async def main():
         closed: list[str] = []
-        merged = merge_async_iterators(
-            [_ticks("a", [0, 10], closed), _ticks("b", [10], closed)]
-        )
+        merged = merge_async_iterators([_ticks("a", [0, 10], closed), _ticks("b", [10], closed)])
         first = await anext(merged)
         await merged.aclose()
         await asyncio.sleep(0)  # the cancelled waits run their clean-up
@@ -217,3 +219,31 @@ def test_an_error_in_one_stream_ends_the_merge_and_closes_the_others():
 
     items, closed = asyncio.run(main())
     assert items == [(0, "x")] and closed == ["b"]
+
+
+# -- an echo response, assembled from engine outputs ---------------------------------------------
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_response_puts_prompt_rows_first_and_drops_the_scoring_token(tiny_model, max_tokens):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    serving = OpenAIServingCompletion(None, tokenizer, ["tiny"], 256, RequestLimits())
+    ids = tokenizer.encode("Hello big world")
+    prompt_logprobs = [None] + [
+        _row({t: (-1.0, 3, tokenizer.decode([t])), 5: (-0.5, 1, "x")}) for t in ids[1:]
+    ]
+    generated = CompletionOutput(0, " yes", [7], -0.2, [_row({7: (-0.2, 1, " yes")})], "stop")
+    final = RequestOutput("r", None, ids, [generated], True, prompt_logprobs=prompt_logprobs)
+    body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens}
+    response = serving._response("cmpl-1", [final], CompletionRequest.model_validate(body))
+    choice = response.choices[0]
+    tail = [" yes"] if max_tokens else []
+    assert choice.text == "Hello big world" + "".join(tail)
+    assert choice.logprobs.tokens == ["Hello", " big", " world", *tail]
+    assert choice.logprobs.text_offset[:3] == [0, 5, 9]
+    assert choice.logprobs.token_logprobs[:3] == [None, -1.0, -1.0]
+    assert choice.logprobs.top_logprobs[1] == {"x": -0.5, " big": -1.0}
+    assert choice.prompt_logprobs[0] is None and set(choice.prompt_logprobs[1]) == {
+        str(ids[1]),
+        "5",
+    }
+    assert choice.finish_reason == ("stop" if max_tokens else "length")
+    assert response.usage.completion_tokens == max_tokens
