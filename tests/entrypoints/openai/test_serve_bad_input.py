@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import serving
 from tests.timeouts import scaled
 
 MODEL = "tiny"
@@ -135,15 +135,9 @@ STATUS = {"unknown model": 404, "body of 10 MB": 413, "chunked body of 9 MiB": 4
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    remote = RemoteServer(tiny_model, log_dir, "--served-model-name", MODEL, tp=1)
-    try:
-        remote.wait_ready()
+    with serving(tiny_model, log_dir, "--served-model-name", MODEL, tp=1) as remote:
         yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-        assert "Traceback" not in remote.log_text()  # no bad input reached an unexpected error
-    finally:
-        remote.kill()
+    assert "Traceback" not in remote.log_text()  # no bad input reached an unexpected error
 
 
 def _assert_healthy(client: httpx.Client) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import serving
 from tests.timeouts import scaled
 
 MODEL = "tiny"
@@ -27,21 +27,14 @@ BATCH = ["Once upon a time there was", "1, 2, 3, 4, 5,"]
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    remote = RemoteServer(tiny_model, log_dir, "--served-model-name", MODEL, tp=1)
-    try:
-        remote.wait_ready()
+    with serving(tiny_model, log_dir, "--served-model-name", MODEL, tp=1) as remote:
         yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=scaled(60)
-    )
+    url = server.url + "/v1"
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=scaled(60))
 
 
 @pytest.fixture(scope="module")
