@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import psutil
@@ -124,6 +126,20 @@ class RemoteServer:
         left = [path for p in pids for path in leftovers(p)]
         assert not running, f"processes left running: {running}"
         assert not left, f"resources left behind: {left}"
+
+
+@contextmanager
+def serving(model: str, log_dir: str, *extra_args: str, tp: int = 2) -> Iterator[RemoteServer]:
+    """A started server for a `with` block (a module fixture's body); on leaving it, the server
+    must stop with exit code 0 and leave nothing behind."""
+    remote = RemoteServer(model, log_dir, *extra_args, tp=tp)
+    try:
+        remote.wait_ready()
+        yield remote
+        assert remote.stop() == 0, remote.log_text()[-3000:]
+        remote.assert_gone()
+    finally:
+        remote.kill()
 
 
 def _is_core(proc: psutil.Process) -> bool:

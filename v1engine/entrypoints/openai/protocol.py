@@ -1,7 +1,8 @@
 """Request and response bodies of the OpenAI API (the subset `serve` serves), as pydantic models.
 
-Requests ignore fields they do not know (as OpenAI's SDKs may send newer ones); value checks are
-left to `SamplingParams`, whose errors name the field, so one set of rules serves `LLM` and HTTP.
+Requests accept fields they do not know (as OpenAI's SDKs may send newer ones, and as vLLM does)
+and list them in `ignored_fields`, which the server logs; value checks are left to
+`SamplingParams`, whose errors name the field, so one set of rules serves `LLM` and HTTP.
 The models check only what must hold before that: JSON types, finite floats (JSON parsing accepts
 NaN and Infinity), integers that fit the engine's 64-bit fields, and OpenAI's message roles.
 Beside OpenAI's fields, requests take vLLM's sampling extras (`top_k`, `min_p`, `ignore_eos`, ...).
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from v1engine.sampling_params import SamplingParams
 
@@ -28,11 +29,30 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+class _TopLevelRequest(_Request):
+    """A whole request body: notes the fields it ignores (one set difference per request)."""
+
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any, handler: Any) -> Any:
+        request = handler(data)
+        if isinstance(data, dict):
+            request._ignored_fields = sorted(data.keys() - cls.model_fields.keys())
+        return request
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this server does not know, which it ignores."""
+        return self._ignored_fields
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_TopLevelRequest):
     """The sampling fields both endpoints share; `None` means the OpenAI default."""
 
     model: str | None = None
@@ -45,14 +65,23 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # OpenAI's JSON object of token id (a string) -> bias; a key that is not an integer is a 400.
+    logit_bias: dict[Int64, float] | None = None
+    best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
     # vLLM's extras.
     top_k: Int64 = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # vLLM's; not supported, refused when given
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -62,7 +91,9 @@ class _SamplingFields(_Request):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         return SamplingParams(
             n=self.n,
@@ -77,10 +108,22 @@ class _SamplingFields(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=_copy(self.allowed_token_ids),
+            bad_words=_copy(self.bad_words),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+
+def _copy(values: list | None) -> list | None:
+    return None if values is None else list(values)
 
 
 class CompletionRequest(_SamplingFields):
@@ -88,11 +131,23 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None  # top-k alternatives per token, besides the sampled one
     echo: bool = False
-    best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
+    suffix: str | None = None  # not supported (nor by vLLM): a 400 when given
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the prompt (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        if self.scores_prompt_only:
+            # SamplingParams needs >= 1 token: the server asks for one and drops it.
+            max_tokens = 1
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            # The echoed prompt's logprobs are prompt logprobs (as vLLM asks for them).
+            prompt_logprobs = self.logprobs
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ChatMessage(_Request):
@@ -115,7 +170,7 @@ class ChatCompletionRequest(_SamplingFields):
         if max_tokens is None:
             max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -141,6 +196,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id (a string) ->
+# its logprob, for the prompt's own token and the top-k.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -148,6 +214,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     # The stop string or stop token id that ended the text (vLLM's extra field).
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field
 
 
 class CompletionResponse(BaseModel):
@@ -206,6 +273,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field
 
 
 class ChatCompletionChunk(BaseModel):

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.logprobs import prompt_logprobs_field, sampled_logprobs
 from v1engine.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -22,13 +23,8 @@ from v1engine.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from v1engine.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    StreamTally,
-    make_usage,
-    sampled_logprobs,
-    stream_steps,
-)
+from v1engine.entrypoints.openai.serving_engine import EngineInput, OpenAIServing
+from v1engine.entrypoints.openai.serving_outputs import StreamTally, make_usage, stream_steps
 from v1engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -44,15 +40,14 @@ class OpenAIServingChat(OpenAIServing):
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         params = self.make_sampling_params(request, len(token_ids))
         output_kind = "delta" if request.stream else "final"
-        request_id, outputs = await self.add_request(
-            "chatcmpl", prompt, token_ids, params, output_kind
-        )
+        inputs = [EngineInput(prompt, token_ids, params)]
+        request_id, runs = await self.add_requests("chatcmpl", inputs, output_kind, "messages")
         if request.stream:
-            chunks = self._stream_chunks(request_id, outputs, request)
+            chunks = self._stream_chunks(request_id, runs[0][1], request)
             return StreamingResponse(
-                self.stream_events(request_id, chunks), media_type="text/event-stream"
+                self.stream_events(runs, chunks), media_type="text/event-stream"
             )
-        final = await self.wait_for_final_output(request_id, outputs, raw_request)
+        (final,) = await self.wait_for_final_outputs(runs, raw_request)
         choices = [
             ChatChoice(
                 index=output.index,
@@ -65,7 +60,11 @@ class OpenAIServingChat(OpenAIServing):
         ]
         usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
         response = ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
 
@@ -91,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             choices = [_stream_choice(completion, request) for completion in completions]
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
         if request.include_usage and tally.last is not None:
-            usage = tally.usage()
+            usage = make_usage(tally.last, tally.num_completion_tokens)
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
 
 

@@ -1,109 +1,202 @@
-"""POST /v1/completions: one prompt (text or token ids) -> n completions, whole or streamed."""
+"""POST /v1/completions: one prompt or a batch (text or token ids) -> n completions each, whole or
+streamed.
+
+A batch runs as one engine request per prompt, added together; its choices are indexed
+prompt-major (prompt i's j-th completion is choice i * n + j), streams interleave, usage sums.
+`echo` puts the prompt (and with `logprobs`, its tokens' logprobs) before each completion, as
+OpenAI's legacy completions do; `echo` with `max_tokens: 0` scores the prompt only.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.logprobs import (
+    LogprobRow,
+    completion_logprobs,
+    generated_rows,
+    prompt_logprobs_field,
+    prompt_rows,
+)
 from v1engine.entrypoints.openai.protocol import (
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Prompt,
 )
-from v1engine.entrypoints.openai.serving_engine import (
-    OpenAIServing,
+from v1engine.entrypoints.openai.serving_engine import EngineInput, EngineRun, OpenAIServing
+from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     make_usage,
-    sampled_logprobs,
+    merge_async_iterators,
     stream_steps,
+    sum_usage,
 )
-from v1engine.outputs import CompletionOutput, RequestOutput
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclasses.dataclass
+class _Echo:
+    """What `echo` puts before a choice's completion: the prompt's text and logprob rows."""
+
+    text: str
+    rows: list[LogprobRow]
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
         self.check_request(request)
-        if request.echo:
-            raise APIError("echo is not supported", param="echo")
-        if request.best_of not in (None, 1):
-            raise APIError("best_of is not supported; use n", param="best_of")
-        self.limits.check_num_logprobs(request.logprobs, "logprobs")
-        text, token_ids = await asyncio.to_thread(self._tokenize, request.prompt)
-        params = self.make_sampling_params(request, len(token_ids))
+        self._check_completion_fields(request)
+        prompts = _split_prompts(request.prompt)
+        # The limit on n counts completions: a batch asks for n per prompt.
+        self.limits.check_n(len(prompts) * request.n)
+        tokenized = await asyncio.to_thread(self._tokenize, prompts)
+        inputs = [
+            EngineInput(text, token_ids, self.make_sampling_params(request, len(token_ids)))
+            for text, token_ids in tokenized
+        ]
         output_kind = "delta" if request.stream else "final"
-        request_id, outputs = await self.add_request("cmpl", text, token_ids, params, output_kind)
+        request_id, runs = await self.add_requests("cmpl", inputs, output_kind, "prompt")
         if request.stream:
-            chunks = self._stream_chunks(request_id, outputs, request)
-            events = self.stream_events(request_id, chunks)
+            events = self.stream_events(runs, self._stream_chunks(request_id, runs, request))
             return StreamingResponse(events, media_type="text/event-stream")
-        final = await self.wait_for_final_output(request_id, outputs, raw_request)
-        choices = [self._choice(output, 0) for output in final.outputs]
-        response = CompletionResponse(
-            id=request_id,
-            model=self.model_name,
-            choices=choices,
-            usage=make_usage(final, sum(len(o.token_ids) for o in final.outputs)),
-        )
-        return JSONResponse(response.model_dump())
+        finals = await self.wait_for_final_outputs(runs, raw_request)
+        return JSONResponse(self._response(request_id, finals, request).model_dump())
 
-    def _tokenize(self, prompt: Prompt | list[str] | list[list[int]]) -> tuple[str | None, list]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)  # empty: the engine's check says so
-        if len(prompt) == 1:
-            return self._tokenize(prompt[0])
-        raise APIError(
-            "send one prompt per request (text or a list of token ids); batched prompts are "
-            f"not supported, got {len(prompt)}",
-            param="prompt",
+    def _check_completion_fields(self, request: CompletionRequest) -> None:
+        if request.suffix is not None:
+            raise APIError("suffix is not supported; send the prompt only", param="suffix")
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError(
+                "max_tokens must be >= 1, got 0; max_tokens 0 is only for echo=true (scoring "
+                "the prompt)",
+                param="max_tokens",
+            )
+        self.limits.check_num_logprobs(request.logprobs, "logprobs")
+
+    def _tokenize(self, prompts: list[Prompt]) -> list[tuple[str | None, list[int]]]:
+        return [
+            (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
+            for prompt in prompts
+        ]
+
+    def _response(
+        self, request_id: str, finals: list[RequestOutput], request: CompletionRequest
+    ) -> CompletionResponse:
+        choices, usages = [], []
+        for prompt_index, final in enumerate(finals):
+            echo = self._echo(final, final.prompt_logprobs, request)
+            plp = prompt_logprobs_field(final.prompt_logprobs)
+            for completion in final.outputs:
+                choice = self._choice(completion, prompt_index, request, echo, 0)
+                choice.prompt_logprobs = plp
+                choices.append(choice)
+            num_tokens = sum(len(o.token_ids) for o in final.outputs)
+            usages.append(make_usage(final, 0 if request.scores_prompt_only else num_tokens))
+        return CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=sum_usage(usages)
         )
 
     async def _stream_chunks(
-        self, request_id: str, outputs: AsyncIterator[RequestOutput], request: CompletionRequest
+        self, request_id: str, runs: list[EngineRun], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
-        tally = StreamTally()
+        tallies = [StreamTally() for _ in runs]
+        steps = [stream_steps(outputs, tally) for (_, outputs), tally in zip(runs, tallies)]
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
-        async for completions in stream_steps(outputs, tally):
+        async for prompt_index, completions in merge_async_iterators(steps):
+            tally = tallies[prompt_index]
+            assert tally.last is not None
             choices = []
             for completion in completions:
-                offset = text_offsets.get(completion.index, 0)
-                choices.append(self._choice(completion, offset))
-                text_offsets[completion.index] = offset + len(completion.text)
+                index = prompt_index * request.n + completion.index
+                # The choice's first chunk carries the echoed prompt (as vLLM sends it).
+                echo = None
+                if index not in text_offsets:
+                    echo = self._echo(tally.last, tally.prompt_logprobs, request)
+                offset = text_offsets.get(index, 0)
+                choices.append(self._choice(completion, prompt_index, request, echo, offset))
+                text_offsets[index] = offset + len(choices[-1].text)
             yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
-        if request.include_usage and tally.last is not None:
-            usage = tally.usage()
+        if request.include_usage:
+            usages = [
+                make_usage(t.last, 0 if request.scores_prompt_only else t.num_completion_tokens)
+                for t in tallies
+                if t.last is not None
+            ]
+            usage = sum_usage(usages)
             yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
 
-    def _choice(self, output: CompletionOutput, text_offset: int) -> CompletionChoice:
+    def _echo(
+        self,
+        output: RequestOutput,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None,
+        request: CompletionRequest,
+    ) -> _Echo | None:
+        if not request.echo:
+            return None
+        text = output.prompt
+        if text is None or request.truncate_prompt_tokens is not None:
+            # Token ids, or a prompt the engine truncated: what the model saw, as text.
+            text = self.tokenizer.decode(output.prompt_token_ids)
+        rows = []
+        if request.logprobs is not None:
+            assert prompt_logprobs is not None, "echo with logprobs asks for prompt_logprobs"
+            rows = prompt_rows(output.prompt_token_ids, prompt_logprobs, self._decode_token)
+        return _Echo(text, rows)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _choice(
+        self,
+        completion: CompletionOutput,
+        prompt_index: int,
+        request: CompletionRequest,
+        echo: _Echo | None,
+        text_offset: int,
+    ) -> CompletionChoice:
+        if request.scores_prompt_only:
+            completion = _without_generated(completion)
+        text = completion.text
+        rows = [] if completion.logprobs is None else generated_rows(completion)
+        if echo is not None:
+            text, rows = echo.text + text, echo.rows + rows
         logprobs = None
-        if output.logprobs is not None:
-            logprobs = _completion_logprobs(output, text_offset)
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(rows, text_offset)
         return CompletionChoice(
-            index=output.index,
-            text=output.text,
+            index=prompt_index * request.n + completion.index,
+            text=text,
             logprobs=logprobs,
-            finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
         )
 
 
-def _completion_logprobs(output: CompletionOutput, text_offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs: per token its text, offset, logprob and the candidates'."""
-    assert output.logprobs is not None
-    result = CompletionLogprobs()
-    for sampled, ranked in sampled_logprobs(output.token_ids, output.logprobs):
-        token = sampled.decoded_token or ""
-        result.tokens.append(token)
-        result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in ranked})
-        result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result
+def _split_prompts(prompt: Prompt | list[str] | list[list[int]]) -> list[Prompt]:
+    """The request's prompts: one text, one token-id list, or a batch of either."""
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        return [prompt]  # type: ignore[list-item]  # an empty list: the engine says it is empty
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _without_generated(completion: CompletionOutput) -> CompletionOutput:
+    """Scoring only (`max_tokens: 0`): the one token the engine had to generate, dropped."""
+    finish_reason = completion.finish_reason
+    if finish_reason in ("stop", "length"):
+        finish_reason = "length"  # the 0 tokens asked for were all generated
+    return dataclasses.replace(
+        completion,
+        text="",
+        token_ids=[],
+        logprobs=None if completion.logprobs is None else [],
+        finish_reason=finish_reason,
+        stop_reason=None,
+    )

@@ -1,8 +1,9 @@
 """OpenAIServing: what the completion and chat endpoints share.
 
 That is the model-name check and the server's request limits, the length check against the
-context, adding a request to the AsyncLLM with its errors mapped to HTTP statuses, waiting for a
-final output while watching for the client to disconnect, server-sent events and usage.
+context, adding a request's engine requests (one per prompt) to the AsyncLLM with their errors
+mapped to HTTP statuses, waiting for their final outputs while watching for the client to
+disconnect, and server-sent events.
 
 Tokenizing a prompt and rendering a chat take time in proportion to the body (seconds for
 megabytes), so they run in a thread (`asyncio.to_thread`): the event loop keeps answering /health
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -25,14 +27,26 @@ from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
-from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from v1engine.logger import init_logger
-from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class EngineInput:
+    """One prompt of a request, ready for the engine."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+# One engine request of an HTTP request: its id and its outputs.
+EngineRun = tuple[str, AsyncIterator[RequestOutput]]
 
 
 class OpenAIServing:
@@ -70,15 +84,33 @@ class OpenAIServing:
                 f"{', '.join(repr(n) for n in self.served_model_names)}",
                 HTTPStatus.NOT_FOUND,
                 param="model",
-                code="model_not_found",
             )
 
     def check_request(self, request: Any) -> None:
         """Raises APIError (404, 400) for an unknown model, a request over the server's limits
-        or a field this server does not support; cheap checks, before any tokenizing."""
+        or a field this server does not support; cheap checks, before any tokenizing. Logs the
+        fields the request has that the server ignores, in one line."""
+        if request.ignored_fields:
+            names = ", ".join(repr(name) for name in request.ignored_fields)
+            logger.warning(
+                "The following fields were present in the request but ignored: {%s}", names
+            )
         self.check_model(request.model)
-        if request.prompt_logprobs is not None:
-            raise APIError("prompt_logprobs is not supported", param="prompt_logprobs")
+        if request.best_of not in (None, 1):
+            raise APIError(
+                f"best_of is not supported, got {request.best_of}; use n", param="best_of"
+            )
+        if request.stream_options is not None and not request.stream:
+            raise APIError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+        if request.prompt_logprobs is not None and request.stream:
+            # As vLLM: prompt logprobs come whole, with the response, never streamed.
+            raise APIError(
+                "`prompt_logprobs` are not available when `stream=True`; drop one of them",
+                param="prompt_logprobs",
+            )
+        self.limits.check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
         self.limits.check_n(request.n)
         vocab_size = self.engine.client.info.vocab_size
         self.limits.check_stop(request.stop_list, request.stop_token_ids or [], vocab_size)
@@ -89,12 +121,16 @@ class OpenAIServing:
         Raises:
             APIError: 400 for an invalid value or a prompt plus max_tokens over the context.
         """
+        truncate_to = request.truncate_prompt_tokens
+        if truncate_to is not None and truncate_to >= 1:
+            # The engine's processor keeps the prompt's last `truncate_to` tokens.
+            num_prompt_tokens = min(num_prompt_tokens, truncate_to)
         if num_prompt_tokens >= self.max_model_len:
             raise APIError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {num_prompt_tokens} tokens; shorten the prompt",
+                f"prompt has {num_prompt_tokens} tokens; shorten the prompt or set "
+                "truncate_prompt_tokens",
                 param="messages" if hasattr(request, "messages") else "prompt",
-                code="context_length_exceeded",
             )
         try:
             params = request.to_sampling_params(self.max_model_len - num_prompt_tokens)
@@ -109,129 +145,114 @@ class OpenAIServing:
                 f"({num_prompt_tokens} in the prompt, {params.max_tokens} for the output); "
                 "lower max_tokens or shorten the prompt",
                 param="max_tokens",
-                code="context_length_exceeded",
             )
         return params
 
-    async def add_request(
-        self,
-        prefix: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_kind: OutputKind,
-    ) -> tuple[str, AsyncIterator[RequestOutput]]:
-        """Adds the request to the engine; returns its id and its outputs.
+    async def add_requests(
+        self, prefix: str, inputs: list[EngineInput], output_kind: OutputKind, param: str
+    ) -> tuple[str, list[EngineRun]]:
+        """Adds one engine request per input, concurrently; returns the request's id and each
+        engine request's id and outputs (a batch's are named f"{request_id}-{i}").
 
         Raises:
-            APIError: 400 when the engine refuses the input, 503 when the engine is dead.
+            APIError: 400 when the engine refuses an input (naming the sampling field at fault,
+                else `param`), 503 when the engine is dead; then nothing of the request stays.
         """
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        batched = len(inputs) > 1
+        ids = [f"{request_id}-{i}" for i in range(len(inputs))] if batched else [request_id]
+        adds = [
+            self.engine.add_request(engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind)
+            for engine_id, x in zip(ids, inputs)
+        ]
         try:
-            outputs = await self.engine.add_request(
-                request_id, prompt, prompt_token_ids, params, output_kind
-            )
-        except ValueError as e:
-            # What is not a sampling value is the prompt's (empty, too long, unknown token ids).
-            raise APIError.bad_request(e, "prompt" if prefix == "cmpl" else "messages") from e
-        except EngineDeadError as e:
-            raise APIError.engine_dead(e.summary) from e
-        return request_id, outputs
+            results = await asyncio.gather(*adds, return_exceptions=True)
+        except BaseException:
+            self.abort_all(ids)  # cancelled: the requests added meanwhile
+            raise
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                self.abort_all(ids)
+                raise _add_error(result, index if batched else None, param) from result
+        return request_id, list(zip(ids, results))
 
-    async def wait_for_final_output(
-        self, request_id: str, outputs: AsyncIterator[RequestOutput], raw_request: Request
-    ) -> RequestOutput:
-        """The request's final output; aborts it if the client disconnects first.
+    def abort_all(self, request_ids: list[str]) -> None:
+        """Aborts the engine requests still running (a no-op for finished or unknown ids)."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+
+    async def wait_for_final_outputs(
+        self, runs: list[EngineRun], raw_request: Request
+    ) -> list[RequestOutput]:
+        """Each engine request's final output; aborts them all when the client disconnects or
+        one of them fails.
 
         Raises:
             APIError: 503 when the engine died; 400 when aborted (nobody is left to read it).
         """
-        watcher = asyncio.create_task(_abort_on_disconnect(raw_request, self.engine, request_id))
+        ids = [request_id for request_id, _ in runs]
+        watcher = asyncio.create_task(_abort_on_disconnect(raw_request, self, ids))
+        tasks = [asyncio.ensure_future(_final_output(outputs)) for _, outputs in runs]
         try:
-            final = None
-            async for output in outputs:
-                final = output
-            assert final is not None and final.finished
-            return final
+            return list(await asyncio.gather(*tasks))
         except EngineDeadError as e:
             raise APIError.engine_dead(e.summary) from e
         except RequestAbortedError as e:
-            raise APIError(str(e), code="client_disconnected") from e
+            raise APIError(str(e)) from e
         finally:
             watcher.cancel()
+            for task in tasks:
+                task.cancel()
+            self.abort_all(ids)
 
     async def stream_events(
-        self, request_id: str, chunks: AsyncIterator[BaseModel]
+        self, runs: list[EngineRun], chunks: AsyncIterator[BaseModel]
     ) -> AsyncIterator[str]:
         """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
 
-        The client disconnecting cancels this generator (Starlette does), which closes the
-        request's outputs and so aborts it.
+        The client disconnecting cancels this generator (Starlette does), which aborts the
+        request's engine requests.
         """
         try:
             async for chunk in chunks:
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as e:
-            logger.debug("stream %s ended by the engine's death", request_id)
+            logger.debug("stream %s ended by the engine's death", runs[0][0])
             yield APIError.engine_dead(e.summary).to_sse()
         except Exception:
-            logger.exception("stream %s failed", request_id)
+            logger.exception("stream %s failed", runs[0][0])
             yield internal_error().to_sse()
+        finally:
+            self.abort_all([request_id for request_id, _ in runs])
         yield SSE_DONE
 
 
-async def _abort_on_disconnect(raw_request: Request, engine: AsyncLLM, request_id: str) -> None:
+def _add_error(error: BaseException, index: int | None, param: str) -> BaseException:
+    """The API's error for an engine request the engine refused."""
+    if isinstance(error, EngineDeadError):
+        return APIError.engine_dead(error.summary)
+    if not isinstance(error, ValueError):
+        return error
+    if index is not None:
+        error = ValueError(f"prompt {index} of the batch: {error}")
+    # What is not a sampling value is the prompt's (empty, too long, unknown token ids).
+    return APIError.bad_request(error, param)
+
+
+async def _final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None and final.finished
+    return final
+
+
+async def _abort_on_disconnect(
+    raw_request: Request, serving: OpenAIServing, request_ids: list[str]
+) -> None:
     # Once the body is read, the next ASGI message is the disconnect (or, from uvicorn, a
     # disconnect once the response is complete, by which time this task is cancelled).
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
-    logger.info("client of %s disconnected; aborting it", request_id)
-    engine.abort(request_id)
-
-
-class StreamTally:
-    """What a stream has sent so far, for its final usage chunk."""
-
-    def __init__(self) -> None:
-        self.last: RequestOutput | None = None
-        self.num_completion_tokens = 0
-
-    def usage(self) -> UsageInfo | None:
-        return None if self.last is None else make_usage(self.last, self.num_completion_tokens)
-
-
-async def stream_steps(
-    outputs: AsyncIterator[RequestOutput], tally: StreamTally
-) -> AsyncIterator[list[CompletionOutput]]:
-    """Per engine step, the choices worth a chunk (new text, new tokens or a finish); both
-    endpoints stream through this, so they send and count alike."""
-    async for output in outputs:
-        tally.last = output
-        sendable = []
-        for completion in output.outputs:
-            tally.num_completion_tokens += len(completion.token_ids)
-            if completion.text or completion.finished() or completion.token_ids:
-                sendable.append(completion)
-        if sendable:
-            yield sendable
-
-
-def make_usage(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
-    num_prompt_tokens = len(output.prompt_token_ids)
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
-    )
-
-
-def sampled_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]]
-) -> list[tuple[Logprob, list[Logprob]]]:
-    """Per generated token: its own Logprob and every candidate of its row, best rank first."""
-    rows = []
-    for token_id, row in zip(token_ids, logprobs):
-        ranked = sorted(row.values(), key=lambda lp: lp.rank if lp.rank is not None else 0)
-        rows.append((row[token_id], ranked))
-    return rows
+    logger.info("client of %s disconnected; aborting it", ", ".join(request_ids))
+    serving.abort_all(request_ids)

@@ -1,0 +1,230 @@
+"""vLLM's dialect of the OpenAI API against a real `python -m v1engine.serve` (tiny random
+llama with SmolLM2's tokenizer, TP=1 on CPU), driven by the official `openai` client: echo (and
+scoring with `max_tokens: 0`), batched prompts, prompt logprobs, the 400s for fields it cannot
+honour, and the one warning for fields it does not know. One server serves the whole module.
+
+The tests of the prompt's logprobs (`test_echo_with_logprobs_*`, `test_prompt_logprobs_*`) need
+the engine's prompt logprobs (issue 13, helper "plp"), and `test_truncate_prompt_tokens_*` needs
+the processor's truncation (helper "fields"): they fail on a branch without that engine work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.entrypoints.openai.server_utils import serving
+from tests.timeouts import scaled
+
+MODEL = "tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+BATCH = ["Once upon a time there was", "1, 2, 3, 4, 5,"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log_dir = str(tmp_path_factory.mktemp("server_logs"))
+    with serving(tiny_model, log_dir, "--served-model-name", MODEL, tp=1) as remote:
+        yield remote
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    url = server.url + "/v1"
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=scaled(60))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _complete(client: openai.OpenAI, prompt, max_tokens: int = 5, extra_body=None, **kwargs):
+    """A greedy completion that runs to max_tokens."""
+    extra_body = {"ignore_eos": True, **(extra_body or {})}
+    return client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body=extra_body,
+        **kwargs,
+    )
+
+
+def _counts(usage) -> tuple[int, int, int]:
+    # Not cached_tokens: a prompt sent again is served from the prefix cache.
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+# -- echo ------------------------------------------------------------------------------------------
+def test_echo_puts_the_prompt_before_the_completion(client, tokenizer):
+    plain = _complete(client, PROMPT)
+    echo = _complete(client, PROMPT, echo=True)
+    assert echo.choices[0].text == PROMPT + plain.choices[0].text
+    assert _counts(echo.usage) == _counts(plain.usage)
+    token_ids = tokenizer.encode(PROMPT)
+    by_ids = _complete(client, token_ids, echo=True)
+    assert by_ids.choices[0].text == tokenizer.decode(token_ids) + plain.choices[0].text
+    stream = _complete(client, PROMPT, echo=True, stream=True)
+    chunks = [chunk.choices[0].text for chunk in stream]
+    assert chunks[0].startswith(PROMPT)  # the first chunk carries the prompt
+    assert "".join(chunks) == echo.choices[0].text
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_only(client):
+    scored = _complete(client, PROMPT, max_tokens=0, echo=True)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.total_tokens == scored.usage.prompt_tokens > 0
+    streamed = list(_complete(client, PROMPT, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_with_logprobs_scores_the_prompt_tokens(client, tokenizer, max_tokens):
+    num_prompt_tokens = len(tokenizer.encode(PROMPT))
+    out = _complete(client, PROMPT, max_tokens=max_tokens, echo=True, logprobs=1)
+    choice = out.choices[0]
+    logprobs = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(logprobs.tokens) == num_prompt_tokens + max_tokens == len(logprobs.token_logprobs)
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(math.isfinite(v) and v <= 0 for v in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert out.usage.completion_tokens == max_tokens
+
+
+def test_prompt_logprobs_extra_on_completions_and_chat(client, tokenizer):
+    token_ids = tokenizer.encode(PROMPT)
+    out = _complete(client, PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    entries = out.choices[0].prompt_logprobs
+    assert len(entries) == len(token_ids) and entries[0] is None
+    for token_id, entry in zip(token_ids[1:], entries[1:]):
+        assert str(token_id) in entry and 2 <= len(entry) <= 3
+        assert all(set(lp) == {"logprob", "rank", "decoded_token"} for lp in entry.values())
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+
+
+# -- batched prompts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("as_token_ids", [False, True], ids=["text", "token_ids"])
+def test_batched_prompts_are_prompt_major_and_sum_usage(client, tokenizer, as_token_ids):
+    prompts = [tokenizer.encode(p) for p in BATCH] if as_token_ids else BATCH
+    alone = [_complete(client, p) for p in prompts]
+    assert alone[0].choices[0].text != alone[1].choices[0].text  # else the order is untested
+    batch = _complete(client, prompts, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    expected = [a.choices[0].text for a in alone for _ in range(2)]
+    assert [c.text for c in batch.choices] == expected
+    # Each prompt counts once, each of its n completions apart.
+    num_prompt = sum(a.usage.prompt_tokens for a in alone)
+    num_completion = 2 * sum(a.usage.completion_tokens for a in alone)
+    assert _counts(batch.usage) == (num_prompt, num_completion, num_prompt + num_completion)
+    stream = _complete(client, prompts, n=2, stream=True, stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == expected
+    assert chunks[-1].choices == [] and _counts(chunks[-1].usage) == _counts(batch.usage)
+
+
+def test_a_bad_prompt_in_a_batch_fails_the_request(client):
+    with pytest.raises(openai.BadRequestError, match="prompt 1 of the batch") as info:
+        _complete(client, ["fine", ""])
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="empty") as info:
+        _complete(client, [])
+    assert info.value.body["param"] == "prompt"
+    assert _complete(client, ["still", "serving"]).usage.completion_tokens == 10
+
+
+# -- every field, the 400s, unknown fields ---------------------------------------------------------
+def test_every_vllm_sampling_field_is_accepted(server, client):
+    extra = {
+        "top_k": 5,
+        "min_p": 0.01,
+        "repetition_penalty": 1.1,
+        "min_tokens": 1,
+        "ignore_eos": True,
+        "stop_token_ids": [99],  # outside allowed_token_ids: it never ends the text
+        "include_stop_str_in_output": False,
+        "allowed_token_ids": list(range(100, 200)),
+        "bad_words": ["zebra"],
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "truncate_prompt_tokens": 5,
+    }
+    kwargs = dict(model=MODEL, max_tokens=3, seed=1, logit_bias={"150": 5}, extra_body=extra)
+    num_warnings = server.log_text().count("ignored:")
+    out = client.completions.create(prompt=PROMPT, **kwargs)
+    assert out.usage.completion_tokens == 3
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=2, **kwargs
+    )
+    assert chat.usage.completion_tokens == 3
+    assert server.log_text().count("ignored:") == num_warnings  # every field is known
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, words",
+    [
+        ({"best_of": 3}, "best_of", "best_of is not supported"),
+        ({"suffix": "!"}, "suffix", "suffix is not supported"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream=True"),
+        ({"max_tokens": 0}, "max_tokens", "echo"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias", "logit_bias"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "stream"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs", "--max-logprobs"),
+    ],
+    ids=["best_of", "suffix", "stream_options", "max_tokens 0", "logit_bias", "plp+stream", "plp"],
+)
+def test_fields_it_cannot_honour_are_400s_naming_them(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError, match=words) as info:
+        client.completions.create(model=MODEL, prompt="hi", **{"max_tokens": 1, **kwargs})
+    assert info.value.body["param"] == param
+
+
+def test_chat_refuses_best_of_and_stream_options_without_stream(client):
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, param in [
+        ({"extra_body": {"best_of": 2}}, "best_of"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **extra)
+        assert info.value.body["param"] == param
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server, client):
+    extra = {"frobnicate_a": 1, "frobnicate_b": {"x": [1]}}
+    out = _complete(client, PROMPT, max_tokens=1, extra_body={"ignore_eos": True, **extra})
+    assert out.usage.completion_tokens == 1
+    lines = [line for line in server.log_text().splitlines() if "frobnicate" in line]
+    assert len(lines) == 1, lines
+    assert "ignored: {'frobnicate_a', 'frobnicate_b'}" in lines[0]
+
+
+def test_truncate_prompt_tokens_lets_a_long_prompt_in(client):
+    # Needs the processor's truncation (helper "fields"); the server no longer refuses it.
+    out = _complete(
+        client,
+        [7] * 300,
+        max_tokens=2,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 10},
+    )
+    assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 2

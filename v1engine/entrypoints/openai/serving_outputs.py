@@ -1,0 +1,85 @@
+"""Engine outputs on their way to a response: usage, the steps worth a streamed chunk, and the
+merging of a batch's streams (one engine request per prompt) into one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+T = TypeVar("T")
+
+
+class StreamTally:
+    """What one engine request's stream has sent so far, for the final usage chunk."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None
+        self.num_completion_tokens = 0
+        # Only the first delta carries them; a choice that starts later still needs them.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+async def stream_steps(
+    outputs: AsyncIterator[RequestOutput], tally: StreamTally
+) -> AsyncIterator[list[CompletionOutput]]:
+    """Per engine step, the choices worth a chunk (new text, new tokens or a finish); both
+    endpoints stream through this, so they send and count alike."""
+    async for output in outputs:
+        tally.last = output
+        if output.prompt_logprobs is not None:
+            tally.prompt_logprobs = output.prompt_logprobs
+        sendable = []
+        for completion in output.outputs:
+            tally.num_completion_tokens += len(completion.token_ids)
+            if completion.text or completion.finished() or completion.token_ids:
+                sendable.append(completion)
+        if sendable:
+            yield sendable
+
+
+async def merge_async_iterators(
+    iterators: list[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """The items of all iterators as they come, each with its iterator's index. The first
+    error ends the merge; closing the merge cancels what is still being awaited."""
+    pending = {asyncio.ensure_future(anext(it)): index for index, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                index = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[index]))] = index
+                yield index, item
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+def make_usage(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
+    num_prompt_tokens = len(output.prompt_token_ids)
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+    )
+
+
+def sum_usage(usages: list[UsageInfo]) -> UsageInfo:
+    """A batch's usage: its prompts' usages added up."""
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+    return UsageInfo(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        total_tokens=sum(u.total_tokens for u in usages),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
