@@ -1,11 +1,8 @@
 """vLLM's dialect of the OpenAI API against a real `python -m v1engine.serve` (tiny random
 llama with SmolLM2's tokenizer, TP=1 on CPU), driven by the official `openai` client: echo (and
-scoring with `max_tokens: 0`), batched prompts, prompt logprobs, the 400s for fields it cannot
+scoring with `max_tokens: 0`), batched prompts, prompt logprobs, vLLM's sampling fields doing
+what they say (logit_bias, min_tokens, bad_words, allowed_token_ids), the 400s for fields it cannot
 honour, and the one warning for fields it does not know. One server serves the whole module.
-
-The tests of the prompt's logprobs (`test_echo_with_logprobs_*`, `test_prompt_logprobs_*`) need
-the engine's prompt logprobs (issue 13, helper "plp"), and `test_truncate_prompt_tokens_*` needs
-the processor's truncation (helper "fields"): they fail on a branch without that engine work.
 """
 
 from __future__ import annotations
@@ -220,7 +217,6 @@ def test_unknown_fields_are_ignored_with_one_warning(server, client):
 
 
 def test_truncate_prompt_tokens_lets_a_long_prompt_in(client):
-    # Needs the processor's truncation (helper "fields"); the server no longer refuses it.
     out = _complete(
         client,
         [7] * 300,
@@ -228,3 +224,55 @@ def test_truncate_prompt_tokens_lets_a_long_prompt_in(client):
         extra_body={"ignore_eos": True, "truncate_prompt_tokens": 10},
     )
     assert out.usage.prompt_tokens == 10 and out.usage.completion_tokens == 2
+
+
+# -- the sampling fields change the answer ---------------------------------------------------------
+def test_logit_bias_forces_a_token(client, tokenizer):
+    forced = tokenizer.encode(" banana")[0]
+    out = _complete(client, PROMPT, max_tokens=4, logit_bias={str(forced): 100})
+    assert out.choices[0].text == tokenizer.decode([forced] * 4)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=3,
+        temperature=0.0,
+        logit_bias={str(forced): 100},
+    )
+    assert chat.choices[0].message.content == tokenizer.decode([forced] * 3)
+
+
+def _single_token(tokenizer, word: str) -> int:
+    (token_id,) = tokenizer.encode(word)
+    return token_id
+
+
+def test_min_tokens_holds_off_stop_tokens(client, tokenizer):
+    # The bias makes " red" greedy's every choice; as a stop token it ends the text at once,
+    # unless min_tokens holds it off (masked) for the first 4 tokens.
+    red = _single_token(tokenizer, " red")
+    extra = {"ignore_eos": False, "stop_token_ids": [red]}
+    kwargs = dict(max_tokens=8, logit_bias={str(red): 100})
+    plain = _complete(client, PROMPT, extra_body=extra, **kwargs)
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    held = _complete(client, PROMPT, extra_body={**extra, "min_tokens": 4}, **kwargs)
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    assert held.choices[0].stop_reason == red
+
+
+def test_bad_words_never_appear(client, tokenizer):
+    red = _single_token(tokenizer, " red")
+    kwargs = dict(max_tokens=6, logit_bias={str(red): 100})
+    assert _complete(client, PROMPT, **kwargs).choices[0].text == " red" * 6
+    banned = _complete(client, PROMPT, logprobs=0, extra_body={"bad_words": ["red"]}, **kwargs)
+    tokens = banned.choices[0].logprobs.tokens  # each generated token's text
+    assert len(tokens) == 6 and not {" red", "red"} & set(tokens)
+
+
+def test_allowed_token_ids_restrict_every_token(client, tokenizer):
+    allowed = [tokenizer.encode(w)[0] for w in (" red", " green", " blue")]
+    out = _complete(client, PROMPT, max_tokens=6, extra_body={"allowed_token_ids": allowed})
+    pieces = [tokenizer.decode([t]) for t in allowed]
+    text = out.choices[0].text
+    for piece in pieces:
+        text = text.replace(piece, "")
+    assert text == "" and out.usage.completion_tokens == 6
