@@ -108,10 +108,10 @@ def test_engine_death_fails_requests_turns_health_503_and_stops_the_server(token
         return whole, stream, health, late, dead_calls
 
     whole, stream, health, late, dead_calls = asyncio.run(scenario())
-    assert whole.status_code == 503 and whole.json()["error"]["code"] == "engine_dead"
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == 503
     assert "worker rank 1 died" in whole.json()["error"]["message"]
     events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
-    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert json.loads(events[-2])["error"]["code"] == 503
     assert events[-1] == "[DONE]"
     assert health.status_code == 503 and late.status_code == 503
     assert dead_calls == [True]

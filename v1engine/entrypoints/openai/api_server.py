@@ -132,7 +132,6 @@ class APIKeyMiddleware:
                 error = APIError(
                     f"{message}; send it as the header 'Authorization: Bearer <key>'",
                     HTTPStatus.UNAUTHORIZED,
-                    code="invalid_api_key",
                 )
                 await error.to_response()(scope, receive, send)
                 return

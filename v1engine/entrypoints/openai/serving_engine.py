@@ -70,7 +70,6 @@ class OpenAIServing:
                 f"{', '.join(repr(n) for n in self.served_model_names)}",
                 HTTPStatus.NOT_FOUND,
                 param="model",
-                code="model_not_found",
             )
 
     def check_request(self, request: Any) -> None:
@@ -94,7 +93,6 @@ class OpenAIServing:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
                 f"prompt has {num_prompt_tokens} tokens; shorten the prompt",
                 param="messages" if hasattr(request, "messages") else "prompt",
-                code="context_length_exceeded",
             )
         try:
             params = request.to_sampling_params(self.max_model_len - num_prompt_tokens)
@@ -109,7 +107,6 @@ class OpenAIServing:
                 f"({num_prompt_tokens} in the prompt, {params.max_tokens} for the output); "
                 "lower max_tokens or shorten the prompt",
                 param="max_tokens",
-                code="context_length_exceeded",
             )
         return params
 
@@ -156,7 +153,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise APIError.engine_dead(e.summary) from e
         except RequestAbortedError as e:
-            raise APIError(str(e), code="client_disconnected") from e
+            raise APIError(str(e)) from e
         finally:
             watcher.cancel()
 
