@@ -20,6 +20,7 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -166,6 +167,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_sent_tokens == 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_ts = time.monotonic()
                 plan.new_reqs.append(request)
             else:
                 assert request.status == RequestStatus.PREEMPTED
@@ -254,6 +256,7 @@ class Scheduler:
             return None
         if request.is_finished():
             self._free_request(request)
+        first = request.num_output_tokens == len(new_token_ids)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -261,6 +264,8 @@ class Scheduler:
             stop_reason=request.stop_reason,
             new_logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            queued_ts=request.queued_ts if first else 0.0,
+            scheduled_ts=request.scheduled_ts if first else 0.0,
         )
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:

@@ -74,7 +74,7 @@ def tokenizer(tiny_model):
 
 def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, list]:
     dead_calls: list[bool] = []
-    engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics())
+    engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics("m", 2048))
     engine.start(on_dead=lambda: dead_calls.append(True))
     app = build_app(build_state(engine, tokenizer, ["m"], "/model"))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
@@ -83,7 +83,8 @@ def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, l
 
 def _finished(engine: AsyncLLM, outcome: str) -> float:
     registry = engine.metrics.registry
-    return registry.get_sample_value("v1engine:requests_total", {"outcome": outcome})
+    labels = {"model_name": "m", "finished_reason": outcome}
+    return registry.get_sample_value("vllm:request_success_total", labels)
 
 
 def _body(stream: bool = False, **extra) -> dict:

@@ -217,8 +217,9 @@ def run_server(args: argparse.Namespace) -> int:
         # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
         try:
+            metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
             state = build_state(
-                AsyncLLM(client, tokenizer, config, ServerMetrics()),
+                AsyncLLM(client, tokenizer, config, metrics),
                 tokenizer,
                 names,
                 engine_args.model,
