@@ -84,7 +84,8 @@ class ServerMetrics:
         self.requests: dict[str, RequestStats] = {}  # by engine (child) request id
         self._last_stats = SchedulerStats()
         self._add_gauges_and_counters()
-        self._add_histograms(build_1_2_5_buckets(max_model_len))
+        self._add_latency_histograms()
+        self._add_count_histograms(build_1_2_5_buckets(max_model_len))
 
     def _labelled(self, kind: type, name: str, documentation: str, **kwargs: Any) -> Any:
         metric = kind(name, documentation, ["model_name"], registry=self.registry, **kwargs)
@@ -130,10 +131,11 @@ class ServerMetrics:
         # Every series exists from the start, at zero.
         self.request_success = {r: success.labels(self.model_name, r) for r in FINISHED_REASONS}
 
-    def _add_histograms(self, token_buckets: list[int]) -> None:
-        def add(name: str, documentation: str, buckets: Any) -> Any:
-            return self._labelled(Histogram, name, documentation, buckets=buckets)
+    def _histogram(self, name: str, documentation: str, buckets: Any) -> Any:
+        return self._labelled(Histogram, name, documentation, buckets=buckets)
 
+    def _add_latency_histograms(self) -> None:
+        add = self._histogram
         self.time_to_first_token = add(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -174,6 +176,9 @@ class ServerMetrics:
             "Histogram of time spent in DECODE phase for request.",
             _REQUEST_LATENCY_BUCKETS_S,
         )
+
+    def _add_count_histograms(self, token_buckets: list[int]) -> None:
+        add = self._histogram
         self.request_prompt_tokens = add(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import psutil
@@ -44,6 +46,21 @@ def make_tiny_checkpoint(directory: str) -> str:
     )
     tokenizer.save_pretrained(path)
     return path
+
+
+def serve_module(
+    model: str, tmp_path_factory: Any, *extra_args: str, tp: int = 2
+) -> Iterator[RemoteServer]:
+    """The body of a module-scoped server fixture (`yield from` it): the server, started; after
+    the module, it must stop with exit status 0 and leave nothing behind."""
+    remote = RemoteServer(model, str(tmp_path_factory.mktemp("server_logs")), *extra_args, tp=tp)
+    try:
+        remote.wait_ready()
+        yield remote
+        assert remote.stop() == 0, remote.log_text()[-3000:]
+        remote.assert_gone()
+    finally:
+        remote.kill()
 
 
 class RemoteServer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import serve_module
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -58,17 +58,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
     args = ("--api-key", API_KEY, "--served-model-name", MODEL)
     args += ("--max-request-body-bytes", str(MAX_BODY_BYTES))
-    remote = RemoteServer(tiny_model, log_dir, *args, tp=1)
-    try:
-        remote.wait_ready()
-        yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import RemoteServer, serve_module
 from tests.timeouts import scaled
 
 MODEL = "tiny"
@@ -47,16 +47,8 @@ HISTOGRAMS = [*PER_REQUEST_HISTOGRAMS, "inter_token_latency_seconds", "iteration
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
     args = ("--served-model-name", MODEL, "--num-gpu-blocks-override", "24")
-    remote = RemoteServer(tiny_model, log_dir, *args, tp=1)
-    try:
-        remote.wait_ready()
-        yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
 
 
 @pytest.fixture(scope="module")

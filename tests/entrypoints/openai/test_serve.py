@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import RemoteServer, serve_module
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -28,15 +28,9 @@ PROMPTS = [f"Prompt number {i}: the quick brown fox" + " jumps" * i for i in ran
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    remote = RemoteServer(tiny_model, log_dir, "--api-key", API_KEY, "--served-model-name", MODEL)
-    try:
-        remote.wait_ready()
-        yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
+    yield from serve_module(
+        tiny_model, tmp_path_factory, "--api-key", API_KEY, "--served-model-name", MODEL
+    )
 
 
 @pytest.fixture(scope="module")

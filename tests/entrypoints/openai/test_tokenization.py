@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.server_utils import RemoteServer, serve_module
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -22,16 +22,8 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
     args = ("--api-key", API_KEY, "--served-model-name", MODEL)
-    remote = RemoteServer(tiny_model, log_dir, *args, tp=1)
-    try:
-        remote.wait_ready()
-        yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
 
 
 @pytest.fixture(scope="module")
