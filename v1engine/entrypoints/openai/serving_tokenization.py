@@ -27,10 +27,7 @@ class OpenAIServingTokenization(OpenAIServing):
         """Raises APIError: 404 for an unknown model, 400 for a body that is neither form or a
         chat the template cannot render."""
         self.check_model(request.model)
-        token_ids = await asyncio.to_thread(self._tokenize, request)
-        token_strs = None
-        if request.return_token_strs:
-            token_strs = self.tokenizer.convert_ids_to_tokens(token_ids)
+        token_ids, token_strs = await asyncio.to_thread(self._tokenize_with_strs, request)
         response = TokenizeResponse(
             count=len(token_ids),
             max_model_len=self.max_model_len,
@@ -42,16 +39,30 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_detokenize(self, request: DetokenizeRequest) -> JSONResponse:
         """Raises APIError: 404 for an unknown model, 400 for ids outside the vocabulary."""
         self.check_model(request.model)
+        text = await asyncio.to_thread(self._detokenize, request.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+    def _detokenize(self, token_ids: list[int]) -> str:
         vocab_size = self.engine.client.info.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
+        # min and max first: listing the bad ids is the slow path.
+        if (
+            vocab_size is not None
+            and token_ids
+            and not 0 <= min(token_ids) <= max(token_ids) < vocab_size
+        ):
+            bad = [t for t in token_ids if not 0 <= t < vocab_size]
             raise APIError(
                 f"tokens {bad[:5]} are outside the vocabulary; this model's ids are in "
                 f"[0, {vocab_size})",
                 param="tokens",
             )
-        text = await asyncio.to_thread(self.tokenizer.decode, request.tokens)
-        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+        return self.tokenizer.decode(token_ids)
+
+    def _tokenize_with_strs(self, request: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+        token_ids = self._tokenize(request)
+        if not request.return_token_strs:
+            return token_ids, None
+        return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def _tokenize(self, request: TokenizeRequest) -> list[int]:
         if (request.prompt is None) == (request.messages is None):
