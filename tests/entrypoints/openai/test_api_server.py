@@ -232,6 +232,7 @@ def test_an_unexpected_error_is_a_short_500_logged_once(tokenizer):
     assert response.status_code == 500 and health.status_code == 200
     error = response.json()["error"]
     assert error["message"] == "internal server error; the server log has the details"
+    assert error["code"] == 500 and error["type"] == "server_error"
     (logged,) = [record for record in records if record.exc_info]
     assert logged.getMessage() == "unexpected error serving POST /v1/completions"
 
@@ -254,6 +255,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(tokenizer, monkeypatch):
     assert json.loads(events[0])["choices"] == []
     error = json.loads(events[1])["error"]
     assert error["message"] == "internal server error; the server log has the details"
+    assert error["code"] == 500 and set(error) == {"message", "type", "param", "code"}
     assert events[2:] == ["[DONE]"]
 
 
