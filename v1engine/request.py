@@ -151,6 +151,10 @@ class Request:
         # Prompt tokens found in the prefix cache the first time the request was scheduled.
         self.num_cached_tokens = 0
         self.num_sent_tokens = 0
+        # When the engine core queued it and first scheduled it, on the core's monotonic clock
+        # (0.0: not yet); sent with its first output, for the queue and prefill time metrics.
+        self.queued_ts = time.monotonic()
+        self.scheduled_ts = 0.0
         # The stop token id when stopped by `stop_token_ids` (EOS leaves it None).
         self.stop_reason: int | None = None
         # Hash of each FULL block of all_token_ids, filled in by the KVCacheManager.
@@ -252,6 +256,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: LogprobsLists | None = None
     # Prompt tokens served from the prefix cache (the OpenAI usage `cached_tokens`).
     num_cached_tokens: int = 0
+    # On the request's first output only (0.0 on the others): `Request.queued_ts` and
+    # `Request.scheduled_ts`, for the metrics.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -278,3 +286,6 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
+    # When the engine core made them, on its monotonic clock (for the latency metrics: only
+    # differences of the core's timestamps mean anything).
+    timestamp: float = msgspec.field(default_factory=time.monotonic)

@@ -22,6 +22,7 @@ a prefill chunk that samples nothing sends an output only when it carries prompt
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_sent_tokens == 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.scheduled_ts = time.monotonic()
                 plan.new_reqs.append(request)
             else:
                 assert request.status == RequestStatus.PREEMPTED
@@ -263,6 +265,8 @@ class Scheduler:
             return None
         if request.is_finished():
             self._free_request(request)
+        # The first output with tokens (a prompt-logprobs chunk before it has none).
+        first = bool(new_token_ids) and request.num_output_tokens == len(new_token_ids)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -271,6 +275,8 @@ class Scheduler:
             new_logprobs=logprobs,
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            queued_ts=request.queued_ts if first else 0.0,
+            scheduled_ts=request.scheduled_ts if first else 0.0,
         )
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:

@@ -19,9 +19,7 @@ engine dies, every queue gets the EngineDeadError, later calls raise it, and `on
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
@@ -44,20 +42,13 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (its client went away) while someone still read its outputs."""
 
 
-@dataclass
-class _Timing:
-    """Per engine request: when it arrived and when its latest token came (None: no token)."""
-
-    arrival_s: float
-    last_token_s: float | None = None
-
-
 class AsyncLLM:
     """Args:
     client: an `AsyncMPClient` (or anything with its async add/abort/get_output methods).
     tokenizer: the model's tokenizer, for the detokenizer and stop strings.
     config: the engine configuration the client was built from.
-    metrics: where request counts and latencies go.
+    metrics: where request counts and latencies go (it tracks each engine request from its
+        send to its finish).
     """
 
     def __init__(
@@ -66,11 +57,11 @@ class AsyncLLM:
         self.client = client
         self.config = config
         self.metrics = metrics
+        metrics.set_cache_config_info(config.cache_config, client.info.num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = Processor(config, tokenizer, self.output_processor, client.info)
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._timings: dict[str, _Timing] = {}  # by engine (child) request id
         self._background: set[asyncio.Task] = set()  # abort sends, kept alive until done
         self._output_loop: asyncio.Task | None = None
         self._on_dead: Callable[[], None] | None = None
@@ -121,7 +112,9 @@ class AsyncLLM:
                 request_id, prompt, prompt_token_ids, params, output_kind
             )
             for request in requests:
-                self._timings[request.request_id] = _Timing(time.monotonic())
+                self.metrics.add_request(
+                    request.request_id, len(request.prompt_token_ids), params.max_tokens
+                )
                 try:
                     await self.client.add_request(request)
                 except ValueError as e:
@@ -131,7 +124,7 @@ class AsyncLLM:
             self._forget(request_id, outcome=None)
             self._abort_in_core(sent)  # the children sent before one was refused
             raise
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids) * params.n)
+        self.metrics.observe_new_request(params.n)
         return self._stream_outputs(request_id, queue)
 
     async def _stream_outputs(
@@ -167,8 +160,7 @@ class AsyncLLM:
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
         core_ids = self.processor.abort([request_id])
         for core_id in core_ids:
-            if self._timings.pop(core_id, None) is not None and outcome is not None:
-                self.metrics.observe_finished(outcome)
+            self.metrics.finish_request(core_id, outcome)
         self._reset_idle_gauges()
         return core_ids
 
@@ -200,11 +192,10 @@ class AsyncLLM:
     async def _process(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None:
             self.metrics.update_scheduler_stats(outputs.scheduler_stats)
-        self._observe_tokens(outputs)
+        self.metrics.observe_outputs(outputs)
         request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
         for core_id in to_abort:  # finished by a stop string, which only the front end sees
-            if self._timings.pop(core_id, None) is not None:
-                self.metrics.observe_finished("stop")
+            self.metrics.finish_request(core_id, "stop")
         for request_output in request_outputs:
             queue = self._queues.get(request_output.request_id)
             if queue is not None:
@@ -215,31 +206,11 @@ class AsyncLLM:
         if to_abort:
             await self.client.abort_requests(to_abort)
 
-    def _observe_tokens(self, outputs: EngineCoreOutputs) -> None:
-        now = time.monotonic()
-        metrics = self.metrics
-        for output in outputs.outputs:
-            timing = self._timings.get(output.request_id)
-            if timing is None:
-                continue  # aborted or stopped by a stop string: no longer counted
-            if output.new_token_ids:
-                metrics.generation_tokens.inc(len(output.new_token_ids))
-                if timing.last_token_s is None:
-                    metrics.time_to_first_token.observe(now - timing.arrival_s)
-                else:
-                    metrics.inter_token_latency.observe(now - timing.last_token_s)
-                timing.last_token_s = now
-            if output.finished:
-                del self._timings[output.request_id]
-                metrics.observe_finished(str(output.finish_reason))
-
     def _reset_idle_gauges(self) -> None:
         # The core sends stats only with outputs, so after an abort of the last request the
         # gauges would keep its values; with nothing in flight, nothing runs or waits.
         if not self.output_processor.has_unfinished_requests():
-            self.metrics.num_requests_running.set(0)
-            self.metrics.num_requests_waiting.set(0)
-            self.metrics.kv_cache_usage.set(0)
+            self.metrics.reset_idle_gauges()
 
     # -- death -----------------------------------------------------------------------------------
     def _set_dead(self, reason: str) -> None:
@@ -258,6 +229,4 @@ class AsyncLLM:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(error)
-        for _ in self._timings:
-            self.metrics.observe_finished(outcome)
-        self._timings.clear()
+        self.metrics.finish_all(outcome)

@@ -63,9 +63,15 @@ class Processor:
         )
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        """`(text, token ids)` of a conversation through the model's chat template.
+        """`(text, token ids)` of a conversation through the model's chat template; the
+        options are vLLM's (`chat_template_kwargs` go to the template as variables).
 
         Raises:
             ValueError: no tokenizer, or the template cannot render these messages.
@@ -73,12 +79,17 @@ class Processor:
         tokenizer = self._require_tokenizer("chat")
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, or a tokenizer without a chat template
             raise ValueError(f"cannot apply the chat template: {e}") from e
-        # The template already wrote the special tokens (BOS, role markers) it wants.
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        # By default none: the template already wrote the special tokens (BOS, role markers)
+        # it wants.
+        return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def process(
         self,

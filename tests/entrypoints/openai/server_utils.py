@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import psutil
@@ -46,6 +46,21 @@ def make_tiny_checkpoint(directory: str) -> str:
     )
     tokenizer.save_pretrained(path)
     return path
+
+
+def serve_module(
+    model: str, tmp_path_factory: Any, *extra_args: str, tp: int = 2
+) -> Iterator[RemoteServer]:
+    """The body of a module-scoped server fixture (`yield from` it): the server, started; after
+    the module, it must stop with exit status 0 and leave nothing behind."""
+    remote = RemoteServer(model, str(tmp_path_factory.mktemp("server_logs")), *extra_args, tp=tp)
+    try:
+        remote.wait_ready()
+        yield remote
+        assert remote.stop() == 0, remote.log_text()[-3000:]
+        remote.assert_gone()
+    finally:
+        remote.kill()
 
 
 class RemoteServer:
@@ -126,20 +141,6 @@ class RemoteServer:
         left = [path for p in pids for path in leftovers(p)]
         assert not running, f"processes left running: {running}"
         assert not left, f"resources left behind: {left}"
-
-
-@contextmanager
-def serving(model: str, log_dir: str, *extra_args: str, tp: int = 2) -> Iterator[RemoteServer]:
-    """A started server for a `with` block (a module fixture's body); on leaving it, the server
-    must stop with exit code 0 and leave nothing behind."""
-    remote = RemoteServer(model, log_dir, *extra_args, tp=tp)
-    try:
-        remote.wait_ready()
-        yield remote
-        assert remote.stop() == 0, remote.log_text()[-3000:]
-        remote.assert_gone()
-    finally:
-        remote.kill()
 
 
 def _is_core(proc: psutil.Process) -> bool:

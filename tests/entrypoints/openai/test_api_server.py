@@ -74,7 +74,7 @@ def tokenizer(tiny_model):
 
 def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, list]:
     dead_calls: list[bool] = []
-    engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics())
+    engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics("m", 2048))
     engine.start(on_dead=lambda: dead_calls.append(True))
     app = build_app(build_state(engine, tokenizer, ["m"], "/model"))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
@@ -83,7 +83,8 @@ def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, l
 
 def _finished(engine: AsyncLLM, outcome: str) -> float:
     registry = engine.metrics.registry
-    return registry.get_sample_value("v1engine:requests_total", {"outcome": outcome})
+    labels = {"model_name": "m", "finished_reason": outcome}
+    return registry.get_sample_value("vllm:request_success_total", labels)
 
 
 def _body(stream: bool = False, **extra) -> dict:
@@ -108,10 +109,10 @@ def test_engine_death_fails_requests_turns_health_503_and_stops_the_server(token
         return whole, stream, health, late, dead_calls
 
     whole, stream, health, late, dead_calls = asyncio.run(scenario())
-    assert whole.status_code == 503 and whole.json()["error"]["code"] == "engine_dead"
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == 503
     assert "worker rank 1 died" in whole.json()["error"]["message"]
     events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
-    assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+    assert json.loads(events[-2])["error"]["code"] == 503
     assert events[-1] == "[DONE]"
     assert health.status_code == 503 and late.status_code == 503
     assert dead_calls == [True]
@@ -231,6 +232,7 @@ def test_an_unexpected_error_is_a_short_500_logged_once(tokenizer):
     assert response.status_code == 500 and health.status_code == 200
     error = response.json()["error"]
     assert error["message"] == "internal server error; the server log has the details"
+    assert error["code"] == 500 and error["type"] == "server_error"
     (logged,) = [record for record in records if record.exc_info]
     assert logged.getMessage() == "unexpected error serving POST /v1/completions"
 
@@ -253,6 +255,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(tokenizer, monkeypatch):
     assert json.loads(events[0])["choices"] == []
     error = json.loads(events[1])["error"]
     assert error["message"] == "internal server error; the server log has the details"
+    assert error["code"] == 500 and set(error) == {"message", "type", "param", "code"}
     assert events[2:] == ["[DONE]"]
 
 

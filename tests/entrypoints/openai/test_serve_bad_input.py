@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.server_utils import serving
+from tests.entrypoints.openai.server_utils import serve_module
 from tests.timeouts import scaled
 
 MODEL = "tiny"
@@ -134,8 +134,8 @@ STATUS = {"unknown model": 404, "body of 10 MB": 413, "chunked body of 9 MiB": 4
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    with serving(tiny_model, log_dir, "--served-model-name", MODEL, tp=1) as remote:
+    # The loop runs once; it ends once the server has stopped cleanly.
+    for remote in serve_module(tiny_model, tmp_path_factory, "--served-model-name", MODEL, tp=1):
         yield remote
     assert "Traceback" not in remote.log_text()  # no bad input reached an unexpected error
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.entrypoints.openai.server_utils import serving
+from tests.entrypoints.openai.server_utils import serve_module
 from tests.timeouts import scaled
 
 MODEL = "tiny"
@@ -23,9 +23,7 @@ BATCH = ["Once upon a time there was", "1, 2, 3, 4, 5,"]
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    with serving(tiny_model, log_dir, "--served-model-name", MODEL, tp=1) as remote:
-        yield remote
+    yield from serve_module(tiny_model, tmp_path_factory, "--served-model-name", MODEL, tp=1)
 
 
 @pytest.fixture(scope="module")

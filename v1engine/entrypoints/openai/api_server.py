@@ -42,8 +42,10 @@ from v1engine.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import (
     bind_socket,
     describe_kv_capacity,
@@ -62,6 +64,7 @@ class ServerState:
     engine: AsyncLLM
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     model_path: str
     limits: RequestLimits
@@ -93,15 +96,34 @@ async def metrics(raw_request: Request) -> Response:
     return Response(_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, root=state.model_path, max_model_len=state.completion.max_model_len)
+
+
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
-    serving = state.completion
-    cards = [
-        ModelCard(id=name, root=state.model_path, max_model_len=serving.max_model_len)
-        for name in serving.served_model_names
-    ]
+    cards = [_model_card(state, name) for name in state.completion.served_model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
+
+
+# `path`: a served name may hold slashes ("org/model").
+@router.get("/v1/models/{model_id:path}")
+async def show_model(model_id: str, raw_request: Request) -> JSONResponse:
+    state = _state(raw_request)
+    state.completion.check_model(model_id)
+    return JSONResponse(_model_card(state, model_id).model_dump())
+
+
+# vLLM's tokenizer endpoints sit outside /v1, so the API key does not guard them (as in vLLM).
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).tokenization.create_tokenize(request)
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).tokenization.create_detokenize(request)
 
 
 @router.post("/v1/completions")
@@ -132,7 +154,6 @@ class APIKeyMiddleware:
                 error = APIError(
                     f"{message}; send it as the header 'Authorization: Bearer <key>'",
                     HTTPStatus.UNAUTHORIZED,
-                    code="invalid_api_key",
                 )
                 await error.to_response()(scope, receive, send)
                 return
@@ -161,10 +182,12 @@ def build_state(
 ) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
     limits = limits or RequestLimits()
+    serving_args = (engine, tokenizer, names, max_model_len, limits)
     return ServerState(
         engine=engine,
-        completion=OpenAIServingCompletion(engine, tokenizer, names, max_model_len, limits),
-        chat=OpenAIServingChat(engine, tokenizer, names, max_model_len, limits),
+        completion=OpenAIServingCompletion(*serving_args),
+        chat=OpenAIServingChat(*serving_args),
+        tokenization=OpenAIServingTokenization(*serving_args),
         metrics=engine.metrics,
         model_path=model_path,
         limits=limits,
@@ -194,8 +217,9 @@ def run_server(args: argparse.Namespace) -> int:
         # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
         try:
+            metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
             state = build_state(
-                AsyncLLM(client, tokenizer, config, ServerMetrics()),
+                AsyncLLM(client, tokenizer, config, metrics),
                 tokenizer,
                 names,
                 engine_args.model,

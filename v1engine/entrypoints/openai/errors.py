@@ -1,5 +1,6 @@
-"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, so that the
-official clients raise their typed exceptions (BadRequestError, AuthenticationError, ...).
+"""Errors in one JSON shape, `{"error": {"message", "type", "param", "code"}}` with `code` the
+HTTP status as an int (vLLM's shape), on every endpoint and mid-stream alike, so that the official
+clients raise their typed exceptions (BadRequestError, AuthenticationError, ...).
 
 Handlers raise `APIError`; `install_error_handlers` turns it, FastAPI's validation errors
 (malformed JSON, wrong types), bodies that cannot be parsed and unknown routes into that shape with
@@ -28,7 +29,8 @@ _PARAM_PATTERN = re.compile(r"SamplingParams\.(\w+)")
 
 
 class APIError(Exception):
-    """An error response: HTTP `status`, OpenAI error `type`, and the offending `param`."""
+    """An error response: HTTP `status` (also its `code`), OpenAI error `type`, and the
+    offending `param`."""
 
     def __init__(
         self,
@@ -36,14 +38,12 @@ class APIError(Exception):
         status: HTTPStatus = HTTPStatus.BAD_REQUEST,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
-        self.code = code
 
     @classmethod
     def bad_request(cls, error: ValueError, param: str | None = None) -> APIError:
@@ -58,14 +58,11 @@ class APIError(Exception):
             f"the engine is dead: {summary}; the server is shutting down (its log has the details)",
             HTTPStatus.SERVICE_UNAVAILABLE,
             type="server_error",
-            code="engine_dead",
         )
 
     def to_dict(self) -> dict:
-        code = self.code if self.code is not None else int(self.status)
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": code}
-        }
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**error, "code": int(self.status)}}
 
     def to_response(self) -> JSONResponse:
         return JSONResponse(self.to_dict(), status_code=int(self.status))

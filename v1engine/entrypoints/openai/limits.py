@@ -94,7 +94,6 @@ def _check_at_most(param: str, value: int, unit: str, limit: int, name: str) -> 
             f"{param}: {value} {unit} is over this server's limit of {limit}; ask for less, or "
             f"restart the server with a higher --{_flag(name)}",
             param=param,
-            code="limit_exceeded",
         )
 
 
@@ -141,7 +140,6 @@ class BodyLimitMiddleware:
             "send a smaller request or restart the server with a higher "
             "--max-request-body-bytes",
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            code="request_too_large",
         )
 
 
