@@ -184,7 +184,8 @@ def test_async_llm_carries_the_fields_over_the_socket(checkpoint, tokenizer):
 
     async def main():
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
-        engine = AsyncLLM(client, tokenizer, config, ServerMetrics())
+        metrics = ServerMetrics("tiny", config.scheduler_config.max_model_len)
+        engine = AsyncLLM(client, tokenizer, config, metrics)
         engine.start()
         try:
             outputs = await engine.add_request("a", PROMPT, prompt_ids, params, "final")
