@@ -19,7 +19,8 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    the grammar bitmask rows of the structured requests that sample this step.
 
 `update_from_output()` then records what the step computed and sampled, advances grammars, and
-finishes requests; a prefill chunk that samples nothing sends an output only when it carries prompt logprobs.
+finishes requests; a prefill chunk that samples nothing sends an output only when it carries prompt
+logprobs.
 """
 
 from __future__ import annotations

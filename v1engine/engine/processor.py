@@ -1,15 +1,15 @@
 """Processor: a user's prompt and SamplingParams -> the engine-core requests to send.
 
-Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or
-render a chat through the model's template), check the request against the engine's limits
+Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or render
+a chat through the model's template), check the request against the engine's limits
 (`validate_request`, the one copy of that check, run here under the caller's request id and before
 anything decodes the prompt: an id outside the vocabulary must not reach the detokenizer), fan
-`n > 1` out into n core requests (a structured-output grammar is compiled first, so an invalid
-schema, regex or grammar is refused here with a ValueError naming it), register each with the `OutputProcessor`, and hand the requests
-to the caller, who sends them through its `EngineCoreClient`. The client's send runs the check
-again per child (the client is its own guard, as the core is), and a ValueError raised for a child
-is re-raised by the caller with the parent's id (`as_parent_error`); the caller then calls `abort`
-to forget what was registered.
+`n > 1` out into n core requests (a structured-output grammar is compiled first, so an invalid schema,
+regex or grammar is refused here with a ValueError naming it), register each with the
+`OutputProcessor`, and hand the requests to the caller, who sends them through its
+`EngineCoreClient`. The client's send runs the check again per child (the client is its own guard,
+as the core is), and a ValueError raised for a child is re-raised by the caller with the parent's
+id (`as_parent_error`); the caller then calls `abort` to forget what was registered.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
-from v1engine.tokenizer import eos_token_id
 from v1engine.request import EngineCoreRequest, validate_request
 from v1engine.sampling_params import SamplingParams
 from v1engine.structured_outputs.params import StructuredOutputsParams
+from v1engine.tokenizer import eos_token_id
 
 if TYPE_CHECKING:
     from v1engine.structured_outputs.backend import GrammarBackend

@@ -1,4 +1,4 @@
-"""Compiling `StructuredOutputsParams` into xgrammar grammars, with a cache, off the caller's thread.
+"""Compiling `StructuredOutputsParams` into xgrammar grammars: cached, on a small thread pool.
 
 Both processes that see a request compile its grammar: the front end (engine/processor.py) to
 refuse a bad schema, regex or grammar with a ValueError before anything is sent, and the engine

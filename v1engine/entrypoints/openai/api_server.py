@@ -32,7 +32,6 @@ from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
-from v1engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
@@ -53,6 +52,7 @@ from v1engine.entrypoints.openai.startup import (
     served_model_names,
 )
 from v1engine.logger import init_logger
+from v1engine.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 

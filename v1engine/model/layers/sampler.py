@@ -3,17 +3,17 @@ a draw. What it reads per step is `SamplingMetadata` (sampling_metadata.py).
 
 Order per row (HF's and vLLM's): logprobs from the raw logits (vLLM's default "raw logprobs":
 before bias, masks, penalties, temperature and truncation, so they describe the model, not the
-sampler), then a structured-output grammar's bitmask (-inf at every token it does not allow,
-so no later stage can bring one back), then `logit_bias` and the token masks (`allowed_token_ids`, bad words, EOS and stop
-tokens before `min_tokens`) as one additive tensor with -inf at masked tokens, then repetition /
-frequency / presence penalties, then greedy rows take the argmax; random rows divide by their
-temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then the smallest
-set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and draw with the
-exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i].
-The race needs no cumulative sum over the vocabulary and no host sync; a seeded row draws its q
-from its own generator, so its tokens depend only on its seed and logits, never on which other
-requests share the batch. Everything stays on the device: the caller moves `sampled_token_ids` to
-the host once.
+sampler), then a structured-output grammar's bitmask (-inf at every token it does not allow, so no
+later stage can bring one back), then `logit_bias` and the token masks (`allowed_token_ids`, bad
+words, EOS and stop tokens before `min_tokens`) as one additive tensor with -inf at masked tokens,
+then repetition / frequency / presence penalties, then greedy rows take the argmax; random rows
+divide by their temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then
+the smallest set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and
+draw with the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with
+probability probs[i]. The race needs no cumulative sum over the vocabulary and no host sync; a
+seeded row draws its q from its own generator, so its tokens depend only on its seed and logits,
+never on which other requests share the batch. Everything stays on the device: the caller moves
+`sampled_token_ids` to the host once.
 """
 
 from __future__ import annotations
