@@ -4,8 +4,8 @@ Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize th
 a chat through the model's template), check the request against the engine's limits
 (`validate_request`, the one copy of that check, run here under the caller's request id and before
 anything decodes the prompt: an id outside the vocabulary must not reach the detokenizer), fan
-`n > 1` out into n core requests (a structured-output grammar is compiled first, so an invalid schema,
-regex or grammar is refused here with a ValueError naming it), register each with the
+`n > 1` out into n core requests (a structured-output grammar is compiled first, so an invalid
+schema, regex or grammar is refused here with a ValueError naming it), register each with the
 `OutputProcessor`, and hand the requests to the caller, who sends them through its
 `EngineCoreClient`. The client's send runs the check again per child (the client is its own guard,
 as the core is), and a ValueError raised for a child is re-raised by the caller with the parent's
