@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import xgrammar as xgr
@@ -35,7 +36,7 @@ from v1engine.structured_outputs.backend import (
     GrammarBackend,
     compile_timeout_message,
 )
-from v1engine.tokenizer import load_tokenizer
+from v1engine.tokenizer import load_tokenizer as load_tokenizer_from
 
 logger = init_logger(__name__)
 
@@ -54,6 +55,7 @@ class StructuredOutputManager:
     model_config: where the tokenizer is loaded from (on first use, on a compile thread).
     vocab_size: the model's logits width (the bitmask covers it).
     compile_timeout_s: a grammar not compiled by then fails its request.
+    load_tokenizer: returns the tokenizer (default: `model_config`'s, loaded from disk).
     """
 
     def __init__(
@@ -61,10 +63,12 @@ class StructuredOutputManager:
         model_config: ModelConfig,
         vocab_size: int,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        load_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
         self.model_config = model_config
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
+        self.load_tokenizer = load_tokenizer or (lambda: load_tokenizer_from(model_config))
         # Built on the first structured request: an engine that never sees one never loads a
         # tokenizer or starts a thread.
         self._backend: GrammarBackend | None = None
@@ -75,9 +79,7 @@ class StructuredOutputManager:
             tokenizer_key = config.tokenizer or config.model
             if tokenizer_key is None:
                 raise ValueError("structured outputs need a model with a tokenizer")
-            self._backend = GrammarBackend(
-                tokenizer_key, lambda: load_tokenizer(config), self.vocab_size
-            )
+            self._backend = GrammarBackend(tokenizer_key, self.load_tokenizer, self.vocab_size)
         return self._backend
 
     def grammar_init(self, request: Request) -> None:
