@@ -15,6 +15,7 @@ id (`as_parent_error`); the caller then calls `abort` to forget what was registe
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
@@ -54,6 +55,8 @@ class Processor:
         self.model_config = config.model_config
         # Built on the first structured request (it reads the whole vocabulary once).
         self._grammar_backend: GrammarBackend | None = None
+        # The API server checks grammars from threads: one backend, built once.
+        self._grammar_backend_lock = threading.Lock()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """`(text or None, token ids)` of a prompt. Raises ValueError for an unusable one."""
@@ -77,9 +80,12 @@ class Processor:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> tuple[str, list[int]]:
-        """`(text, token ids)` of a conversation through the model's chat template; the
-        options are vLLM's (`chat_template_kwargs` go to the template as variables).
+        """`(text, token ids)` of a conversation through the chat template (`chat_template`,
+        else the model's); the options are vLLM's (`chat_template_kwargs` go to the template as
+        variables, `tools` as the `tools` variable, for templates that describe them).
 
         Raises:
             ValueError: no tokenizer, or the template cannot render these messages.
@@ -91,6 +97,8 @@ class Processor:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                tools=tools,
+                chat_template=chat_template,
                 **(chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, or a tokenizer without a chat template
@@ -155,13 +163,14 @@ class Processor:
         self._require_tokenizer("structured outputs")
         if self.info.vocab_size is None:
             raise ValueError("structured outputs need a model (its vocabulary)")
-        if self._grammar_backend is None:
-            # Imported here: xgrammar loads only for an engine that sees structured outputs.
-            from v1engine.structured_outputs.backend import GrammarBackend
+        with self._grammar_backend_lock:
+            if self._grammar_backend is None:
+                # Imported here: xgrammar loads only for an engine that sees structured outputs.
+                from v1engine.structured_outputs.backend import GrammarBackend
 
-            key = self.model_config.tokenizer or self.model_config.model
-            tokenizer = self.tokenizer
-            self._grammar_backend = GrammarBackend(key, lambda: tokenizer, self.info.vocab_size)
+                key = self.model_config.tokenizer or self.model_config.model
+                tokenizer = self.tokenizer
+                self._grammar_backend = GrammarBackend(key, lambda: tokenizer, self.info.vocab_size)
         self._grammar_backend.compile(params)
 
     def abort(self, request_ids: list[str]) -> list[str]:

@@ -51,6 +51,7 @@ from v1engine.entrypoints.openai.startup import (
     log_startup_line,
     served_model_names,
 )
+from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
 from v1engine.tokenizer import load_tokenizer
 
@@ -179,10 +180,11 @@ def build_state(
     names: list[str],
     model_path: str,
     limits: RequestLimits | None = None,
+    options: ServingOptions | None = None,
 ) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
     limits = limits or RequestLimits()
-    serving_args = (engine, tokenizer, names, max_model_len, limits)
+    serving_args = (engine, tokenizer, names, max_model_len, limits, options)
     return ServerState(
         engine=engine,
         completion=OpenAIServingCompletion(*serving_args),
@@ -205,6 +207,7 @@ def run_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
+    options = ServingOptions.from_cli_args(args)
     if engine_args.model is None:
         from v1engine.model.hf_config import default_model_path
 
@@ -224,6 +227,7 @@ def run_server(args: argparse.Namespace) -> int:
                 names,
                 engine_args.model,
                 limits,
+                options,
             )
             return asyncio.run(_serve(args, state, sock))
         finally:

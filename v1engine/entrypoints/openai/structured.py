@@ -1,0 +1,120 @@
+"""A request's output constraint: OpenAI's `response_format`, vLLM's `structured_outputs` and
+`guided_*` fields, or the tools' schema (tool_calls.py) -> one `StructuredOutputsParams`.
+
+A request sets at most one constraint; each error names the request's own field (its `param`),
+not the engine's name for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol_structured import StructuredFields
+from v1engine.structured_outputs.params import StructuredOutputsParams
+
+# A constraint as the request gave it: (the request's field, StructuredOutputsParams fields).
+Constraint = tuple[str, dict[str, Any]]
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+_BACKENDS = ("xgrammar", "auto")
+
+
+@dataclass
+class ServingOptions:
+    """The server's options for chat and constraints (flags of `python -m v1engine.serve`)."""
+
+    # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
+    chat_template: str | None = None
+    # JSON constraints from response_format and tools allow no whitespace between tokens
+    # (OpenAI's API has no per-request field for it; `structured_outputs` has one).
+    disable_any_whitespace: bool = False
+
+    @staticmethod
+    def add_cli_args(group: Any) -> None:
+        group.add_argument(
+            "--chat-template",
+            default=None,
+            help="file of a Jinja chat template to use instead of the tokenizer's",
+        )
+        group.add_argument(
+            "--structured-outputs-disable-any-whitespace",
+            action="store_true",
+            help="JSON from response_format and tools has no whitespace between tokens",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
+        """Raises ValueError when the chat template file cannot be read."""
+        template = None
+        if args.chat_template is not None:
+            try:
+                with open(args.chat_template, encoding="utf-8") as f:
+                    template = f.read()
+            except OSError as e:
+                raise ValueError(
+                    f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
+                ) from e
+        return cls(template, args.structured_outputs_disable_any_whitespace)
+
+
+def request_constraint(
+    request: StructuredFields, options: ServingOptions, tools: Constraint | None = None
+) -> tuple[str, StructuredOutputsParams] | None:
+    """The request's one constraint as (its field, params), or None.
+
+    Raises:
+        APIError: 400 for more than one constraint, or one that is malformed, naming its field.
+    """
+    constraints = _given_constraints(request, options)
+    if tools is not None:
+        constraints.append(tools)
+    if not constraints:
+        if request.guided_whitespace_pattern is not None:
+            raise APIError(
+                "guided_whitespace_pattern needs guided_json", param="guided_whitespace_pattern"
+            )
+        return None
+    if len(constraints) > 1:
+        names = [name for name, _ in constraints]
+        raise APIError(
+            f"a request takes one output constraint, got {len(names)}: {', '.join(names)}; "
+            "keep one of them",
+            param=names[0],
+        )
+    param, fields = constraints[0]
+    try:
+        return param, StructuredOutputsParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise APIError(f"invalid {param}: {e}", param=param) from e
+
+
+def _given_constraints(request: StructuredFields, options: ServingOptions) -> list[Constraint]:
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in _BACKENDS:
+        raise APIError(
+            f"guided_decoding_backend {backend!r} is not supported; use one of {_BACKENDS}",
+            param="guided_decoding_backend",
+        )
+    compact = {"disable_any_whitespace": options.disable_any_whitespace}
+    constraints = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        constraints.append(("response_format", {"json_object": True, **compact}))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise APIError(
+                'response_format {"type": "json_schema"} needs json_schema.schema',
+                param="response_format",
+            )
+        constraints.append(("response_format", {"json": spec.json_schema, **compact}))
+    if request.structured_outputs is not None:
+        constraints.append(("structured_outputs", dict(request.structured_outputs)))
+    for kind in _GUIDED_KINDS:
+        value = getattr(request, f"guided_{kind}")
+        if value is not None:
+            fields = {kind: value, "whitespace_pattern": request.guided_whitespace_pattern}
+            constraints.append((f"guided_{kind}", fields))
+    return constraints
