@@ -30,6 +30,7 @@ from v1engine.entrypoints.openai.tool_calls import (
     ToolMode,
     parse_tool_calls,
     template_message_tool_fields,
+    template_tools,
     tool_call_deltas,
     tool_mode,
 )
@@ -73,12 +74,11 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
         messages = [_as_template_message(message) for message in request.messages]
-        tools = None if request.tools is None else [t.model_dump() for t in request.tools]
         try:
             return self.engine.processor.render_chat(
                 messages,
                 request.add_generation_prompt,
-                tools=tools,
+                tools=template_tools(request.tools),
                 chat_template=self.options.chat_template,
             )
         except ValueError as e:

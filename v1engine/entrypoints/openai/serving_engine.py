@@ -28,7 +28,12 @@ from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
-from v1engine.entrypoints.openai.structured import Constraint, ServingOptions, request_constraint
+from v1engine.entrypoints.openai.structured import (
+    Constraint,
+    ServingOptions,
+    in_request_terms,
+    request_constraint,
+)
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
@@ -138,7 +143,7 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(self.engine.processor.check_grammar, params)
         except ValueError as e:
-            raise APIError(f"invalid {param}: {e}", param=param) from e
+            raise APIError(in_request_terms(e, param), param=param) from e
         return params
 
     def make_sampling_params(

@@ -8,17 +8,20 @@ not the engine's name for it.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, fields
 from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol_structured import StructuredFields
-from v1engine.structured_outputs.params import StructuredOutputsParams
+from v1engine.structured_outputs.params import KINDS, StructuredOutputsParams
 
 # A constraint as the request gave it: (the request's field, StructuredOutputsParams fields).
 Constraint = tuple[str, dict[str, Any]]
 _GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 _BACKENDS = ("xgrammar", "auto")
+_FIELDS = {f.name for f in fields(StructuredOutputsParams)}
+_KIND_NAME = re.compile(rf"StructuredOutputsParams\.(?:{'|'.join(KINDS)})\b")
 
 
 @dataclass
@@ -27,8 +30,8 @@ class ServingOptions:
 
     # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
     chat_template: str | None = None
-    # JSON constraints from response_format and tools allow no whitespace between tokens
-    # (OpenAI's API has no per-request field for it; `structured_outputs` has one).
+    # JSON constraints allow no whitespace between tokens, unless a request's
+    # `structured_outputs` says otherwise (OpenAI's API has no per-request field for it).
     disable_any_whitespace: bool = False
 
     @staticmethod
@@ -41,7 +44,8 @@ class ServingOptions:
         group.add_argument(
             "--structured-outputs-disable-any-whitespace",
             action="store_true",
-            help="JSON from response_format and tools has no whitespace between tokens",
+            help="constrained JSON has no whitespace between tokens (a request's "
+            "structured_outputs.disable_any_whitespace overrides it)",
         )
 
     @classmethod
@@ -71,10 +75,6 @@ def request_constraint(
     if tools is not None:
         constraints.append(tools)
     if not constraints:
-        if request.guided_whitespace_pattern is not None:
-            raise APIError(
-                "guided_whitespace_pattern needs guided_json", param="guided_whitespace_pattern"
-            )
         return None
     if len(constraints) > 1:
         names = [name for name, _ in constraints]
@@ -84,10 +84,29 @@ def request_constraint(
             param=names[0],
         )
     param, fields = constraints[0]
+    unknown = sorted(fields.keys() - _FIELDS)
+    if unknown:
+        raise APIError(
+            f"{param} has no field {', '.join(map(repr, unknown))}; its fields are "
+            f"{', '.join(sorted(_FIELDS))}",
+            param=param,
+        )
     try:
         return param, StructuredOutputsParams(**fields)
-    except (TypeError, ValueError) as e:
-        raise APIError(f"invalid {param}: {e}", param=param) from e
+    except ValueError as e:
+        raise APIError(in_request_terms(e, param), param=param) from e
+
+
+def in_request_terms(error: ValueError, param: str) -> str:
+    """The engine's message about a constraint, naming the request's field instead of
+    StructuredOutputsParams' (`StructuredOutputsParams.regex` is `guided_regex` of a
+    guided_regex, `structured_outputs.regex` of a structured_outputs)."""
+    message = str(error)
+    if "StructuredOutputsParams" not in message:
+        return f"invalid {param}: {message}"
+    if param != "structured_outputs":
+        message = _KIND_NAME.sub(param, message)
+    return message.replace("StructuredOutputsParams", param)
 
 
 def _given_constraints(request: StructuredFields, options: ServingOptions) -> list[Constraint]:
@@ -96,6 +115,13 @@ def _given_constraints(request: StructuredFields, options: ServingOptions) -> li
         raise APIError(
             f"guided_decoding_backend {backend!r} is not supported; use one of {_BACKENDS}",
             param="guided_decoding_backend",
+        )
+    if request.guided_whitespace_pattern is not None:
+        # The outlines backend's option; xgrammar's whitespace is on or off.
+        raise APIError(
+            "guided_whitespace_pattern is not supported by the xgrammar backend; use "
+            'structured_outputs {"json": ..., "disable_any_whitespace": true} for compact JSON',
+            param="guided_whitespace_pattern",
         )
     compact = {"disable_any_whitespace": options.disable_any_whitespace}
     constraints = []
@@ -111,10 +137,9 @@ def _given_constraints(request: StructuredFields, options: ServingOptions) -> li
             )
         constraints.append(("response_format", {"json": spec.json_schema, **compact}))
     if request.structured_outputs is not None:
-        constraints.append(("structured_outputs", dict(request.structured_outputs)))
+        constraints.append(("structured_outputs", {**compact, **request.structured_outputs}))
     for kind in _GUIDED_KINDS:
         value = getattr(request, f"guided_{kind}")
         if value is not None:
-            fields = {kind: value, "whitespace_pattern": request.guided_whitespace_pattern}
-            constraints.append((f"guided_{kind}", fields))
+            constraints.append((f"guided_{kind}", {kind: value, **compact}))
     return constraints

@@ -16,6 +16,7 @@ from typing import Any
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
 from v1engine.entrypoints.openai.protocol_structured import (
+    ChatTool,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
@@ -117,6 +118,11 @@ def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
         arguments = DeltaFunctionCall(arguments=call.function.arguments)
         deltas.append(DeltaToolCall(index=index, function=arguments))
     return deltas
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template's `tools` variable."""
+    return None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def template_message_tool_fields(message: Any) -> dict[str, Any]:
