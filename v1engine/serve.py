@@ -6,8 +6,9 @@
 Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--device`, `--dtype`,
 `--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below and the limits on
 what one request may ask (`--max-n`, `--max-logprobs`, `--max-stop-sequences`,
-`--max-stop-sequence-chars`, `--max-request-body-bytes`), `--chat-template FILE` and
-`--structured-outputs-disable-any-whitespace`. Exits 0 after
+`--max-stop-sequence-chars`, `--max-request-body-bytes`), `--chat-template FILE`,
+`--structured-outputs-disable-any-whitespace` and `--enable-auto-tool-choice --tool-call-parser
+hermes`. Exits 0 after
 SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
 """
 

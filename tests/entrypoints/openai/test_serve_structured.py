@@ -5,7 +5,8 @@ both endpoints, 400s that name the request's field while the server keeps servin
 `tool_choice` "required" / a named function read back as tool calls, whole and streamed.
 
 The server runs with `--structured-outputs-disable-any-whitespace` (a random model left free to
-write whitespace may never close its JSON) and a tool-aware `--chat-template`. The schemas bound
+write whitespace may never close its JSON), a tool-aware `--chat-template`, and the hermes parser
+for `tool_choice: "auto"` (whose calls a regex makes the random model write). The schemas bound
 strings with patterns, not maxLength (xgrammar 0.2.8's length-bounded strings let raw control
 characters through).
 """
@@ -24,6 +25,12 @@ from pydantic import BaseModel, Field
 
 from tests.entrypoints.openai.server_utils import serve_module
 from tests.timeouts import scaled
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
+from v1engine.entrypoints.openai.structured import ServingOptions
+from v1engine.entrypoints.openai.tool_calls import tool_mode
+from v1engine.entrypoints.openai.tool_parsers import parse_hermes
+from v1engine.serve import make_arg_parser
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "What is the weather like?"}]
@@ -79,7 +86,8 @@ def server(tiny_model, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
     flags = ["--served-model-name", MODEL, "--chat-template", str(template)]
-    flags.append("--structured-outputs-disable-any-whitespace")
+    flags += ["--structured-outputs-disable-any-whitespace", "--enable-auto-tool-choice"]
+    flags += ["--tool-call-parser", "hermes"]
     for remote in serve_module(tiny_model, tmp_path_factory, *flags, tp=1):
         yield remote
     log = remote.log_text()
@@ -231,19 +239,71 @@ def test_streamed_tool_calls_concatenate_to_the_whole_result(client, tool_choice
     assert all(call["id"].startswith("chatcmpl-tool-") for call in calls.values())
 
 
-def test_auto_and_bad_tool_choices_are_400s(client) -> None:
+def test_auto_without_the_parser_flags_is_vllms_400() -> None:
     needs_parser = (
         '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
     )
-    for kwargs in ({"tool_choice": "auto"}, {}):
-        with pytest.raises(openai.BadRequestError, match=re.escape(needs_parser)):
-            chat(client, tools=TOOLS, **kwargs)
+    for tool_choice in ("auto", None):  # None: "auto", as tools are given
+        body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice}
+        with pytest.raises(APIError, match=re.escape(needs_parser)) as info:
+            tool_mode(ChatCompletionRequest.model_validate(body), ServingOptions())
+        assert info.value.param == "tool_choice"
+    args = make_arg_parser().parse_args(["--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        ServingOptions.from_cli_args(args)
+
+
+def test_bad_tool_choices_are_400s(client) -> None:
     unknown = {"type": "function", "function": {"name": "nope"}}
     with pytest.raises(openai.BadRequestError, match="nope") as info:
         chat(client, tools=TOOLS, tool_choice=unknown)
     assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="needs tools"):
         chat(client, tool_choice="required")
+
+
+HERMES_CALL = (
+    r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_finds_hermes_calls_in_the_text(client, stream) -> None:
+    kwargs = dict(tools=TOOLS, tool_choice="auto", extra_body={"guided_regex": HERMES_CALL})
+    if not stream:
+        choice = chat(client, **kwargs).choices[0]
+        content, calls, finish_reason = (
+            choice.message.content,
+            _calls(choice.message),
+            choice.finish_reason,
+        )
+    else:
+        content, arguments, finish_reason, name = "", "", None, ""
+        for chunk in chat(client, stream=True, **kwargs):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                finish_reason = finish_reason or c.finish_reason
+                for delta in c.delta.tool_calls or []:
+                    name += delta.function.name or ""
+                    arguments += delta.function.arguments or ""
+        calls = [(name, json.loads(arguments))]
+    assert content == "Sure." and finish_reason == "tool_calls"
+    assert [name for name, _ in calls] == ["get_time"]
+    jsonschema.validate(calls[0][1], TIME)
+
+
+def test_auto_without_a_call_is_content(client) -> None:
+    choice = chat(client, max_tokens=5, tools=TOOLS, tool_choice="auto").choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content
+
+
+def test_hermes_parser_keeps_malformed_calls_as_content() -> None:
+    text = 'hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    text += '<tool_call>{"name": "g"}</tool_call>'
+    assert parse_hermes(text) == ("hi", [("f", '{"a": 1}'), ("g", "{}")])
+    for bad in ("<tool_call>{oops</tool_call>", '<tool_call>["f"]</tool_call>', "no calls"):
+        assert parse_hermes(bad) == (bad, [])
 
 
 def test_tool_choice_none_leaves_the_output_free(client) -> None:

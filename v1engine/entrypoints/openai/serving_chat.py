@@ -46,7 +46,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
-        mode = tool_mode(request, self.options.disable_any_whitespace)
+        mode = tool_mode(request, self.options)
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         params = self.make_sampling_params(request, len(token_ids), constraint)
@@ -114,12 +114,12 @@ class OpenAIServingChat(OpenAIServing):
 def _choice(
     output: CompletionOutput, request: ChatCompletionRequest, mode: ToolMode | None
 ) -> ChatChoice:
-    calls = None if mode is None else parse_tool_calls(mode, output.text)
-    if calls is None:
+    parsed = None if mode is None else parse_tool_calls(mode, output.text)
+    if parsed is None:
         message = ChatResponseMessage(content=output.text)
         finish_reason = output.finish_reason
     else:
-        message = ChatResponseMessage(content=None, tool_calls=calls)
+        message = ChatResponseMessage(content=parsed[0], tool_calls=parsed[1])
         finish_reason = "tool_calls"
     return ChatChoice(
         index=output.index,
@@ -133,29 +133,28 @@ def _choice(
 def _tool_stream_choices(
     completions: list[CompletionOutput], mode: ToolMode, texts: dict[int, str]
 ) -> list[ChatStreamChoice]:
-    """The choices that ended in this step, as tool-call deltas then a finish (or, when the
-    output is not whole JSON, as content); the others' text is kept in `texts` until they end.
-    Each goes in its own chunk."""
+    """The choices that ended in this step: their content (if any), tool-call deltas, then a
+    finish (all content when the output holds no calls); the others' text is kept in `texts`
+    until they end. Each goes in its own chunk."""
     choices = []
     for output in completions:
         index, text = output.index, texts.pop(output.index, "") + output.text
         if output.finish_reason is None:
             texts[index] = text
             continue
-        calls = parse_tool_calls(mode, text)
-        if calls is None:
-            delta, finish_reason = ChatDelta(content=text), output.finish_reason
-        else:
-            delta, finish_reason = ChatDelta(), "tool_calls"
-            choices.extend(
-                ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
-                for call_delta in tool_call_deltas(calls)
-            )
+        parsed = parse_tool_calls(mode, text)
+        content, calls = (text, []) if parsed is None else parsed
+        if content:
+            choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
+        choices.extend(
+            ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
+            for call_delta in tool_call_deltas(calls)
+        )
         choices.append(
             ChatStreamChoice(
                 index=index,
-                delta=delta,
-                finish_reason=finish_reason,
+                delta=ChatDelta(),
+                finish_reason=output.finish_reason if parsed is None else "tool_calls",
                 stop_reason=output.stop_reason,
             )
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol_structured import StructuredFields
+from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from v1engine.structured_outputs.params import KINDS, StructuredOutputsParams
 
 # A constraint as the request gave it: (the request's field, StructuredOutputsParams fields).
@@ -33,6 +34,8 @@ class ServingOptions:
     # JSON constraints allow no whitespace between tokens, unless a request's
     # `structured_outputs` says otherwise (OpenAI's API has no per-request field for it).
     disable_any_whitespace: bool = False
+    # `tool_choice: "auto"`: the parser that finds the calls in the text (None: "auto" is a 400).
+    tool_call_parser: str | None = None
 
     @staticmethod
     def add_cli_args(group: Any) -> None:
@@ -47,10 +50,28 @@ class ServingOptions:
             help="constrained JSON has no whitespace between tokens (a request's "
             "structured_outputs.disable_any_whitespace overrides it)",
         )
+        group.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='serve tool_choice "auto" (needs --tool-call-parser)',
+        )
+        group.add_argument(
+            "--tool-call-parser",
+            choices=TOOL_CALL_PARSERS,
+            default=None,
+            help="how tool calls are found in a model's text for tool_choice auto",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
-        """Raises ValueError when the chat template file cannot be read."""
+        """Raises ValueError when the chat template file cannot be read, or for
+        --enable-auto-tool-choice without --tool-call-parser."""
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"({', '.join(TOOL_CALL_PARSERS)})"
+            )
+        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         template = None
         if args.chat_template is not None:
             try:
@@ -60,7 +81,7 @@ class ServingOptions:
                 raise ValueError(
                     f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
                 ) from e
-        return cls(template, args.structured_outputs_disable_any_whitespace)
+        return cls(template, args.structured_outputs_disable_any_whitespace, parser)
 
 
 def request_constraint(

@@ -3,7 +3,8 @@ constrains the output to the tools' JSON schemas, and the output is read back as
 
 "required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}` (at most
 one item when `parallel_tool_calls` is false); a named function: its arguments object. "none"
-leaves the output free; "auto" needs a tool-call parser, which this server does not have.
+leaves the output free; "auto" leaves it free too and needs the server's tool-call parser
+(`--enable-auto-tool-choice --tool-call-parser hermes`) to find the calls in the text.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from v1engine.entrypoints.openai.protocol_structured import (
     FunctionCall,
     ToolCall,
 )
-from v1engine.entrypoints.openai.structured import Constraint
+from v1engine.entrypoints.openai.structured import Constraint, ServingOptions
+from v1engine.entrypoints.openai.tool_parsers import parse_hermes
 
 # vLLM's answer to "auto" when the server runs without a parser.
 AUTO_NEEDS_PARSER = (
@@ -34,18 +36,20 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass
 class ToolMode:
-    """How a chat request's tools shape its output: `named` is the forced function's name, or
-    None for "required"."""
+    """How a chat request's tools shape its output: `constraint` for "required" and a named
+    function (`named`: its name), none for "auto", whose calls `parser` finds in the text."""
 
-    constraint: Constraint
-    named: str | None
+    constraint: Constraint | None
+    named: str | None = None
+    parser: str | None = None
 
 
-def tool_mode(request: ChatCompletionRequest, compact: bool) -> ToolMode | None:
+def tool_mode(request: ChatCompletionRequest, options: ServingOptions) -> ToolMode | None:
     """The request's ToolMode, or None when its output is free text.
 
     Raises:
-        APIError: 400 for "auto", a tool_choice without tools, or an unknown function name.
+        APIError: 400 for "auto" without the server's parser, a tool_choice without tools, or
+            an unknown function name.
     """
     choice = request.tool_choice
     if choice is None:
@@ -55,12 +59,14 @@ def tool_mode(request: ChatCompletionRequest, compact: bool) -> ToolMode | None:
     if not request.tools:
         raise APIError(f"tool_choice {_describe(choice)} needs tools", param="tool_choice")
     if choice == "auto":
-        raise APIError(AUTO_NEEDS_PARSER, param="tool_choice")
+        if options.tool_call_parser is None:
+            raise APIError(AUTO_NEEDS_PARSER, param="tool_choice")
+        return ToolMode(None, parser=options.tool_call_parser)
     schemas = {t.function.name: t.function.parameters or _ANY_OBJECT for t in request.tools}
-    whitespace = {"disable_any_whitespace": compact}
+    whitespace = {"disable_any_whitespace": options.disable_any_whitespace}
     if choice == "required":
         schema = _required_schema(schemas, request.parallel_tool_calls)
-        return ToolMode(("tool_choice", {"json": schema, **whitespace}), None)
+        return ToolMode(("tool_choice", {"json": schema, **whitespace}))
     name = choice.function.name
     if name not in schemas:
         raise APIError(
@@ -91,21 +97,29 @@ def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict
     return array
 
 
-def parse_tool_calls(mode: ToolMode, text: str) -> list[ToolCall] | None:
-    """The tool calls in a finished output, or None when it is not whole JSON (cut off by
-    max_tokens): then it is returned as content."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if mode.named is not None:
-        calls = [(mode.named, text)]
+def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]] | None:
+    """`(content, tool calls)` of a finished output, or None when it holds no calls (no
+    `<tool_call>` for "auto"; not whole JSON, cut off by max_tokens, for the others): then it
+    is all content."""
+    if mode.parser is not None:
+        content, calls = parse_hermes(text)
+        if not calls:
+            return None
     else:
-        calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    return [
+        content = None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if mode.named is not None:
+            calls = [(mode.named, text)]
+        else:
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    tool_calls = [
         ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=n, arguments=a))
         for n, a in calls
     ]
+    return content, tool_calls
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
