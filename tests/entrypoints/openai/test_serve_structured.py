@@ -306,9 +306,12 @@ def test_hermes_parser_keeps_malformed_calls_as_content() -> None:
         assert parse_hermes(bad) == (bad, [])
 
 
-def test_tool_choice_none_leaves_the_output_free(client) -> None:
+def test_tool_choice_none_and_text_format_leave_the_output_free(client) -> None:
     choice = chat(client, max_tokens=5, tools=TOOLS, tool_choice="none").choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls in (None, [])
+    free = chat(client, max_tokens=5).choices[0].message.content
+    text = chat(client, max_tokens=5, response_format={"type": "text"}).choices[0]
+    assert text.finish_reason == "length" and text.message.content == free
 
 
 def test_the_chat_template_renders_tools_calls_and_results(server) -> None:
