@@ -10,8 +10,12 @@ contract (what workers keep, drop and rebuild, and in which order) is written ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from v1engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -52,6 +56,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted since the last step: workers free their batch slots, keep their tokens.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured requests that sample this step -> their row of grammar_bitmask, a
+    # [num_rows, ceil(vocab_size / 32)] int32 array: bit t % 32 of word t // 32 set iff token t
+    # may be sampled (xgrammar's packing). The sampling rank masks those logits rows with it.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -11,11 +11,15 @@ import dataclasses
 import enum
 import time
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from v1engine.outputs import LogprobsLists
 from v1engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from v1engine.core.structured_output_manager import StructuredOutputRequest
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -64,6 +68,11 @@ def validate_request(
     request.sampling_params.validate()
     if vocab_size is not None:
         _check_sampling_token_ids(request_id, request.sampling_params, vocab_size)
+    elif request.sampling_params.structured_outputs is not None:
+        raise ValueError(
+            f"request {request_id!r}: structured outputs need a model (its vocabulary), and this "
+            "engine runs a model-free worker class"
+        )
 
 
 def _check_sampling_token_ids(request_id: str, params: SamplingParams, vocab_size: int) -> None:
@@ -88,6 +97,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or one of stop_token_ids
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the client cancelled it
+    ERROR = "error"  # the engine could not serve it (its grammar failed to compile)
 
     def __str__(self) -> str:
         return self.value
@@ -95,12 +105,15 @@ class FinishReason(str, enum.Enum):
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    # Queued, but its structured-output grammar is still compiling: not scheduled yet.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     # Blocks freed by the scheduler; recomputed from scratch when scheduled again.
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     def is_finished(self) -> bool:
         return self in _FINISH_REASONS
@@ -113,6 +126,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -162,6 +176,8 @@ class Request:
         self.max_tokens = _resolve_max_tokens(
             sampling_params.max_tokens, len(self.prompt_token_ids), max_model_len
         )
+        # Its grammar's compile and matcher (StructuredOutputManager), with structured outputs.
+        self.structured_output_request: StructuredOutputRequest | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, max_model_len: int) -> Request:
@@ -185,6 +201,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from v1engine.structured_outputs.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -37,6 +39,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Keep only the last k prompt tokens; -1: as many as max_model_len leaves room for.
     truncate_prompt_tokens: int | None = None
+    # A JSON schema, regex, choice or grammar the output must follow (a dict is taken as the
+    # StructuredOutputsParams fields).
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine, not by users (vLLM's names): each bad word as token-id sequences
     # (tokenized by the processor), and the EOS id the workers mask until min_tokens.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -49,6 +54,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -84,6 +91,13 @@ class SamplingParams:
             "must be >= 0 (vLLM's -1, the whole vocabulary, is not supported)",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "must be a StructuredOutputsParams (or a dict of its fields)",
+        )
         self._validate_token_constraints()
 
     def _validate_token_constraints(self) -> None:

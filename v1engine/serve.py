@@ -6,7 +6,9 @@
 Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--device`, `--dtype`,
 `--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below and the limits on
 what one request may ask (`--max-n`, `--max-logprobs`, `--max-stop-sequences`,
-`--max-stop-sequence-chars`, `--max-request-body-bytes`). Exits 0 after
+`--max-stop-sequence-chars`, `--max-request-body-bytes`), `--chat-template FILE`,
+`--structured-outputs-disable-any-whitespace` and `--enable-auto-tool-choice --tool-call-parser
+hermes`. Exits 0 after
 SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
 """
 
@@ -17,6 +19,7 @@ import sys
 
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
 
 # Not __name__: run as `python -m`, this module is "__main__".
@@ -49,6 +52,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="uvicorn's own log level (debug also logs each request)",
     )
     RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
+    ServingOptions.add_cli_args(parser.add_argument_group("chat template and structured outputs"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 

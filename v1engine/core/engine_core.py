@@ -20,6 +20,7 @@ from v1engine.core.kv_cache_utils import (
     get_kv_cache_configs,
 )
 from v1engine.core.scheduler import Scheduler
+from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.executor.abstract import Executor
 from v1engine.executor.rpc_call import RpcCall
@@ -36,6 +37,10 @@ from v1engine.request import (
 from v1engine.utils import GiB_bytes
 
 logger = init_logger(__name__)
+
+# How long a step with nothing to run waits for a grammar to compile before returning (so the
+# engine core's loop reads its input again).
+_GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -58,13 +63,24 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, kv_cache_config)
         hf_config = config.model_config.hf_config
         self.info = EngineCoreInfo(
             num_blocks=kv_cache_config.num_blocks,
             block_size=config.cache_config.block_size,
             max_model_len=config.scheduler_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
+        )
+        # None for a model-free worker class (validate_request refuses structured outputs).
+        self.structured_output_manager = None
+        if self.info.vocab_size is not None:
+            self.structured_output_manager = StructuredOutputManager(
+                config.model_config, self.info.vocab_size
+            )
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            kv_cache_config,
+            self.structured_output_manager,
         )
         logger.info(
             "Engine ready in %.2f s (%s)",
@@ -128,6 +144,10 @@ class EngineCore:
         if not has_work and not (
             scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
         ):
+            if self.structured_output_manager is not None:
+                self.structured_output_manager.wait_for_grammars(
+                    self.scheduler.waiting, _GRAMMAR_WAIT_S
+                )
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         model_output = self.executor.execute_model(scheduler_output)
         if model_output is None or not has_work:
@@ -150,6 +170,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
         self.executor.shutdown()
 
 

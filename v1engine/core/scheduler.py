@@ -11,13 +11,16 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    the front of the waiting queue, recomputed from scratch later) and the allocation retried; a
    request may end up preempting itself.
 2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
-   head of the queue is never overtaken). Prefix-cache hits count as computed (a request asking
+   head of the queue is never overtaken, except by requests whose structured-output grammar
+   is still compiling: those are skipped). Prefix-cache hits count as computed (a request asking
    for prompt logprobs gets none: it must compute every prompt position). Skipped in a step
    that preempted: blocks just ran out.
-3. The `SchedulerOutput`: new requests whole, the others as diffs (see `v1engine.outputs`).
+3. The `SchedulerOutput`: new requests whole, the others as diffs (see `v1engine.outputs`), and
+   the grammar bitmask rows of the structured requests that sample this step.
 
-`update_from_output()` then records what the step computed and sampled, and finishes requests;
-a prefill chunk that samples nothing sends an output only when it carries prompt logprobs.
+`update_from_output()` then records what the step computed and sampled, advances grammars, and
+finishes requests; a prefill chunk that samples nothing sends an output only when it carries prompt
+logprobs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
 from v1engine.outputs import (
@@ -41,6 +45,7 @@ from v1engine.outputs import (
 from v1engine.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     Request,
     RequestStatus,
     SchedulerStats,
@@ -75,8 +80,10 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -93,12 +100,17 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last SchedulerOutput: the workers drop their state.
         self.finished_req_ids: set[str] = set()
+        # Requests whose grammar failed to compile, reported by the next update_from_output.
+        self.grammar_error_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request (EngineCore.add_request checks user input)."""
         assert request.request_id not in self.requests, f"duplicate {request.request_id!r}"
         assert request.status == RequestStatus.WAITING and request.num_prompt_tokens > 0
+        if request.use_structured_output:
+            assert self.structured_output_manager is not None, "structured outputs need a manager"
+            self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -112,6 +124,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._check_grammars()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -159,13 +172,17 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         manager = self.kv_cache_manager
+        skipped: list[Request] = []  # grammars still compiling, put back in order below
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                skipped.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, plan.token_budget)
             new_blocks = manager.allocate_slots(request, num_new_tokens, hit_blocks)
             if new_blocks is None:
-                return  # first come first served: nobody overtakes the head of the queue
+                break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             if request.num_sent_tokens == 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -180,6 +197,18 @@ class Scheduler:
             # The manager's returned blocks exclude the hits; a new or resumed request is sent
             # its whole table anyway.
             plan.add(request, num_new_tokens, new_blocks)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _check_grammars(self) -> None:
+        """Requests whose grammar compiled become WAITING; a failed or timed-out compile
+        finishes its request with "error" (reported by the next update_from_output)."""
+        if self.structured_output_manager is None:
+            return
+        for request in self.structured_output_manager.update_waiting(self.waiting):
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            self.grammar_error_outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
+            )
 
     def _make_scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [self._make_new_request_data(request) for request in plan.new_reqs]
@@ -207,9 +236,26 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=plan.preempted_req_ids,
+            **self._grammar_bitmask(plan),
         )
         self.finished_req_ids = set()
         return output
+
+    def _grammar_bitmask(self, plan: _StepPlan) -> dict:
+        """The bitmask rows of the structured requests that sample this step (a partial
+        prefill chunk samples nothing, so it has no row)."""
+        sampling = [
+            request
+            for req_id, num_tokens in plan.num_scheduled_tokens.items()
+            if (request := self.requests[req_id]).use_structured_output
+            and request.num_computed_tokens + num_tokens == request.num_tokens
+        ]
+        if not sampling:
+            return {}
+        return {
+            "structured_output_request_ids": {r.request_id: i for i, r in enumerate(sampling)},
+            "grammar_bitmask": self.structured_output_manager.grammar_bitmask(sampling),
+        }
 
     def _make_new_request_data(self, request: Request) -> NewRequestData:
         assert request.num_tokens == request.num_prompt_tokens
@@ -230,7 +276,7 @@ class Scheduler:
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = _logprobs_by_request(model_runner_output)
         prompt_logprobs = model_runner_output.prompt_logprobs
-        outputs = []
+        outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -259,7 +305,7 @@ class Scheduler:
         for token_id in sampled:
             request.append_output_token_ids([token_id])
             new_token_ids.append(token_id)
-            if check_stop(request, self.max_model_len):
+            if check_stop(request, self.max_model_len) or self._advance_grammar(request, token_id):
                 break
         if not new_token_ids and prompt_logprobs is None:
             return None
@@ -278,6 +324,15 @@ class Scheduler:
             queued_ts=request.queued_ts if first else 0.0,
             scheduled_ts=request.scheduled_ts if first else 0.0,
         )
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feeds the sampled token to the request's matcher; True if that finished it."""
+        if not request.use_structured_output:
+            return False
+        status = self.structured_output_manager.accept_token(request, token_id)
+        if status is not None:
+            request.status = status
+        return status is not None
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finishes requests from outside the step (abort). Unknown or finished ids are ignored:

@@ -1,27 +1,33 @@
 """Processor: a user's prompt and SamplingParams -> the engine-core requests to send.
 
-Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or
-render a chat through the model's template), check the request against the engine's limits
+Both front ends (`LLM` and `AsyncLLM`) go through it, in this order: tokenize the prompt (or render
+a chat through the model's template), check the request against the engine's limits
 (`validate_request`, the one copy of that check, run here under the caller's request id and before
 anything decodes the prompt: an id outside the vocabulary must not reach the detokenizer), fan
-`n > 1` out into n core requests, register each with the `OutputProcessor`, and hand the requests
-to the caller, who sends them through its `EngineCoreClient`. The client's send runs the check
-again per child (the client is its own guard, as the core is), and a ValueError raised for a child
-is re-raised by the caller with the parent's id (`as_parent_error`); the caller then calls `abort`
-to forget what was registered.
+`n > 1` out into n core requests (a structured-output grammar is compiled first, so an invalid
+schema, regex or grammar is refused here with a ValueError naming it), register each with the
+`OutputProcessor`, and hand the requests to the caller, who sends them through its
+`EngineCoreClient`. The client's send runs the check again per child (the client is its own guard,
+as the core is), and a ValueError raised for a child is re-raised by the caller with the parent's
+id (`as_parent_error`); the caller then calls `abort` to forget what was registered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
-from v1engine.engine.tokenizer import eos_token_id
 from v1engine.request import EngineCoreRequest, validate_request
 from v1engine.sampling_params import SamplingParams
+from v1engine.structured_outputs.params import StructuredOutputsParams
+from v1engine.tokenizer import eos_token_id
+
+if TYPE_CHECKING:
+    from v1engine.structured_outputs.backend import GrammarBackend
 
 # A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = str | list[int] | dict[str, Any]
@@ -46,6 +52,11 @@ class Processor:
         self.output_processor = output_processor
         self.info = info
         self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
+        self.model_config = config.model_config
+        # Built on the first structured request (it reads the whole vocabulary once).
+        self._grammar_backend: GrammarBackend | None = None
+        # The API server checks grammars from threads: one backend, built once.
+        self._grammar_backend_lock = threading.Lock()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """`(text or None, token ids)` of a prompt. Raises ValueError for an unusable one."""
@@ -69,9 +80,12 @@ class Processor:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> tuple[str, list[int]]:
-        """`(text, token ids)` of a conversation through the model's chat template; the
-        options are vLLM's (`chat_template_kwargs` go to the template as variables).
+        """`(text, token ids)` of a conversation through the chat template (`chat_template`,
+        else the model's); the options are vLLM's (`chat_template_kwargs` go to the template as
+        variables, `tools` as the `tools` variable, for templates that describe them).
 
         Raises:
             ValueError: no tokenizer, or the template cannot render these messages.
@@ -83,6 +97,8 @@ class Processor:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                tools=tools,
+                chat_template=chat_template,
                 **(chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja errors, or a tokenizer without a chat template
@@ -114,6 +130,8 @@ class Processor:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; ban token ids with logit_bias -100")
+        if params.structured_outputs is not None:
+            self.check_grammar(params.structured_outputs)
         prompt_token_ids = truncate_prompt(
             prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len
         )
@@ -133,6 +151,27 @@ class Processor:
                 EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id)
             )
         return requests
+
+    def check_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compiles the grammar (cached: the engine core's compile in this process is then a
+        hit), so a bad one fails here, before anything is sent.
+
+        Raises:
+            ValueError: no tokenizer, or the schema, regex or grammar is invalid or took longer
+                than the compile time-out; names the field and what is wrong.
+        """
+        self._require_tokenizer("structured outputs")
+        if self.info.vocab_size is None:
+            raise ValueError("structured outputs need a model (its vocabulary)")
+        with self._grammar_backend_lock:
+            if self._grammar_backend is None:
+                # Imported here: xgrammar loads only for an engine that sees structured outputs.
+                from v1engine.structured_outputs.backend import GrammarBackend
+
+                key = self.model_config.tokenizer or self.model_config.model
+                tokenizer = self.tokenizer
+                self._grammar_backend = GrammarBackend(key, lambda: tokenizer, self.info.vocab_size)
+        self._grammar_backend.compile(params)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Forgets the given front-end requests; returns their core ids still to abort."""

@@ -14,10 +14,10 @@ from v1engine.core.engine_core import EngineCore
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
-from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
+from v1engine.tokenizer import load_tokenizer
 
 
 class LLM:

@@ -45,6 +45,7 @@ from v1engine.worker.model_inputs import (
     build_model_inputs,
     build_sampling_metadata,
     dummy_sampling_metadata,
+    grammar_bitmask_rows,
     to_logprobs_lists,
 )
 from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
@@ -200,7 +201,7 @@ class GPUModelRunner:
         hidden = self._forward(inputs)
         # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
         prompt_logprobs = self._prompt_logprobs(hidden, query_lens)
-        sampled, logprobs = self._sample(hidden, inputs, req_ids)
+        sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
         if not self.is_driver:
             return None
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
@@ -214,18 +215,26 @@ class GPUModelRunner:
         return compute_prompt_logprobs(self.model.compute_logits, hidden, plan, self.is_driver)
 
     def _sample(
-        self, hidden: torch.Tensor, inputs: ModelInputs, req_ids: list[str]
+        self,
+        hidden: torch.Tensor,
+        inputs: ModelInputs,
+        req_ids: list[str],
+        scheduler_output: SchedulerOutput,
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
-        rows' logprobs. Off the driver only the LM-head call matters; what it returns is dropped."""
+        rows' logprobs, within the grammar bitmask the scheduler sent for structured requests.
+        Off the driver only the LM-head call matters; what it returns is dropped."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         if not self.is_driver:
             return [], None
-        states = [self.states.requests[req_ids[row]] for row in inputs.sampling_rows]
-        output = self.sampler(logits, build_sampling_metadata(states, self.vocab_size, self.device))
+        sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]
+        states = [self.states.requests[req_id] for req_id in sampling_req_ids]
+        bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
+        metadata = build_sampling_metadata(states, self.vocab_size, self.device, bitmask)
+        output = self.sampler(logits, metadata)
         for row, token_id in zip(inputs.sampling_rows, output.sampled_token_ids.tolist()):
             sampled[row] = [token_id]
         return sampled, to_logprobs_lists(output.logprobs)

@@ -22,7 +22,7 @@ from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers.attention_backend import AttentionBackend, CommonAttentionMetadata
 from v1engine.model.layers.sampler import LogprobsTensors
 from v1engine.model.layers.sampling_metadata import SamplingMetadata
-from v1engine.outputs import LogprobsLists
+from v1engine.outputs import LogprobsLists, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.utils import cdiv
 from v1engine.worker.input_batch import BlockTable, CachedRequestState, InputBatch
@@ -231,10 +231,36 @@ def banned_token_ids(state: CachedRequestState, vocab_size: int) -> list[int]:
     return [t for t in banned if 0 <= t < vocab_size]
 
 
+def grammar_bitmask_rows(
+    sampling_req_ids: list[str], scheduler_output: SchedulerOutput
+) -> tuple[list[int], torch.Tensor] | None:
+    """The step's grammar bitmask for the sampler: (sampling rows it constrains, their rows of
+    the bitmask, in that order), or None when no sampling request has a grammar.
+
+    Raises:
+        RuntimeError: the scheduler sent a bitmask row for a request that does not sample.
+    """
+    row_of = scheduler_output.structured_output_request_ids
+    if scheduler_output.grammar_bitmask is None:
+        return None
+    pairs = [(row, row_of[r]) for row, r in enumerate(sampling_req_ids) if r in row_of]
+    if len(pairs) != len(row_of):
+        raise RuntimeError(
+            f"the scheduler sent grammar bitmask rows for {sorted(row_of)} but only "
+            f"{sorted(set(row_of) & set(sampling_req_ids))} sample this step"
+        )
+    bitmask = scheduler_output.grammar_bitmask[[bitmask_row for _, bitmask_row in pairs]]
+    return [row for row, _ in pairs], torch.from_numpy(bitmask)
+
+
 def build_sampling_metadata(
-    states: list[CachedRequestState], vocab_size: int, device: torch.device
+    states: list[CachedRequestState],
+    vocab_size: int,
+    device: torch.device,
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
 ) -> SamplingMetadata:
-    """One row per state, in order; seeded requests bring their own generators."""
+    """One row per state, in order; seeded requests bring their own generators;
+    `grammar_bitmask` from `grammar_bitmask_rows`."""
     params = [state.sampling_params for state in states]
     penalties = any(_has_penalties(p) for p in params)
     masks = any(_has_masks(p) for p in params)
@@ -258,14 +284,15 @@ def build_sampling_metadata(
             row: state.generator for row, state in enumerate(states) if state.generator is not None
         },
         max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+        grammar_bitmask=grammar_bitmask,
     )
 
 
 def dummy_sampling_metadata(
     num_reqs: int, vocab_size: int, prompt_len: int, device: torch.device
 ) -> SamplingMetadata:
-    """Random sampling with every stage on (logit bias and masks over all rows, top-k, top-p,
-    min-p, all penalties and logprobs), for profiling."""
+    """Random sampling with every stage on (a grammar bitmask, logit bias and masks over all
+    rows, top-k, top-p, min-p, all penalties and logprobs), for profiling."""
     prompt = list(range(min(prompt_len, vocab_size)))
     # A few allowed tokens are enough: the mask's [num_reqs, vocab_size] tensor is the cost.
     allowed = list(range(min(vocab_size, _PROFILE_NUM_LOGPROBS)))
@@ -285,6 +312,11 @@ def dummy_sampling_metadata(
         allowed_token_ids=[allowed] * num_reqs,
         banned_token_ids=[allowed[1:2]] * num_reqs,
         max_num_logprobs=_PROFILE_NUM_LOGPROBS,
+        # Every bit set: every token allowed.
+        grammar_bitmask=(
+            list(range(num_reqs)),
+            torch.full((num_reqs, cdiv(vocab_size, 32)), -1, dtype=torch.int32),
+        ),
     )
 
 

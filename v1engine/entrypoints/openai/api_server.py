@@ -32,7 +32,6 @@ from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
-from v1engine.engine.tokenizer import load_tokenizer
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
@@ -52,7 +51,9 @@ from v1engine.entrypoints.openai.startup import (
     log_startup_line,
     served_model_names,
 )
+from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
+from v1engine.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
@@ -179,10 +180,11 @@ def build_state(
     names: list[str],
     model_path: str,
     limits: RequestLimits | None = None,
+    options: ServingOptions | None = None,
 ) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
     limits = limits or RequestLimits()
-    serving_args = (engine, tokenizer, names, max_model_len, limits)
+    serving_args = (engine, tokenizer, names, max_model_len, limits, options)
     return ServerState(
         engine=engine,
         completion=OpenAIServingCompletion(*serving_args),
@@ -205,6 +207,7 @@ def run_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_system_exit)
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
+    options = ServingOptions.from_cli_args(args)
     if engine_args.model is None:
         from v1engine.model.hf_config import default_model_path
 
@@ -224,6 +227,7 @@ def run_server(args: argparse.Namespace) -> int:
                 names,
                 engine_args.model,
                 limits,
+                options,
             )
             return asyncio.run(_serve(args, state, sock))
         finally:

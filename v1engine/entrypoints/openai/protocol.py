@@ -15,6 +15,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from v1engine.entrypoints.openai.protocol_structured import (
+    ChatTool,
+    DeltaToolCall,
+    StructuredFields,
+    ToolCall,
+    ToolChoice,
+)
 from v1engine.sampling_params import SamplingParams
 
 # One prompt: text or token ids; a completion request may also send a list of prompts.
@@ -52,8 +59,9 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_TopLevelRequest):
-    """The sampling fields both endpoints share; `None` means the OpenAI default."""
+class _SamplingFields(_TopLevelRequest, StructuredFields):
+    """The sampling (and constraint) fields both endpoints share; `None` means the OpenAI
+    default."""
 
     model: str | None = None
     n: int = 1
@@ -155,6 +163,10 @@ class ChatMessage(_Request):
     # A string, or parts like [{"type": "text", "text": "..."}]; only text parts are supported.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # An assistant's earlier calls ({"id", "type", "function": {"name", "arguments"}}), and the
+    # call a "tool" message answers.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -164,6 +176,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
+    parallel_tool_calls: bool = True
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_completion_tokens
@@ -242,12 +257,14 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from v1engine.entrypoints.openai.protocol import ChatMessage, Int64, _Request
+from v1engine.entrypoints.openai.protocol_structured import ChatTool
 
 
 class TokenizeRequest(_Request):
@@ -25,6 +26,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class TokenizeResponse(BaseModel):

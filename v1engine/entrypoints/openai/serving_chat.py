@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +26,14 @@ from v1engine.entrypoints.openai.protocol import (
 )
 from v1engine.entrypoints.openai.serving_engine import EngineInput, OpenAIServing
 from v1engine.entrypoints.openai.serving_outputs import StreamTally, make_usage, stream_steps
+from v1engine.entrypoints.openai.tool_calls import (
+    ToolMode,
+    parse_tool_calls,
+    template_message_tool_fields,
+    template_tools,
+    tool_call_deltas,
+    tool_mode,
+)
 from v1engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -37,27 +46,20 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
+        mode = tool_mode(request, self.options)
+        constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
-        params = self.make_sampling_params(request, len(token_ids))
+        params = self.make_sampling_params(request, len(token_ids), constraint)
         output_kind = "delta" if request.stream else "final"
         inputs = [EngineInput(prompt, token_ids, params)]
         request_id, runs = await self.add_requests("chatcmpl", inputs, output_kind, "messages")
         if request.stream:
-            chunks = self._stream_chunks(request_id, runs[0][1], request)
+            chunks = self._stream_chunks(request_id, runs[0][1], request, mode)
             return StreamingResponse(
                 self.stream_events(runs, chunks), media_type="text/event-stream"
             )
         (final,) = await self.wait_for_final_outputs(runs, raw_request)
-        choices = [
-            ChatChoice(
-                index=output.index,
-                message=ChatResponseMessage(content=output.text),
-                logprobs=_chat_logprobs(output, request),
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
-            )
-            for output in final.outputs
-        ]
+        choices = [_choice(output, request, mode) for output in final.outputs]
         usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
         response = ChatCompletionResponse(
             id=request_id,
@@ -73,28 +75,93 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("messages must not be empty", param="messages")
         messages = [_as_template_message(message) for message in request.messages]
         try:
-            return self.engine.processor.render_chat(messages, request.add_generation_prompt)
+            return self.engine.processor.render_chat(
+                messages,
+                request.add_generation_prompt,
+                tools=template_tools(request.tools),
+                chat_template=self.options.chat_template,
+            )
         except ValueError as e:
             raise APIError(str(e), param="messages") from e
 
     async def _stream_chunks(
-        self, request_id: str, outputs: AsyncIterator[RequestOutput], request: ChatCompletionRequest
+        self,
+        request_id: str,
+        outputs: AsyncIterator[RequestOutput],
+        request: ChatCompletionRequest,
+        mode: ToolMode | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
-        # chunk of a choice carries its finish_reason.
+        # chunk of a choice carries its finish_reason. Tool calls are sent when their choice
+        # ends (their text is read back whole).
         for index in range(request.n):
             role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[role])
         tally = StreamTally()
+        texts: dict[int, str] = {}
         async for completions in stream_steps(outputs, tally):
-            choices = [_stream_choice(completion, request) for completion in completions]
-            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+            if mode is None:
+                choices = [_stream_choice(completion, request) for completion in completions]
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
+                continue
+            for choice in _tool_stream_choices(completions, mode, texts):
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
         if request.include_usage and tally.last is not None:
             usage = make_usage(tally.last, tally.num_completion_tokens)
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
 
 
-def _as_template_message(message: ChatMessage) -> dict[str, str]:
+def _choice(
+    output: CompletionOutput, request: ChatCompletionRequest, mode: ToolMode | None
+) -> ChatChoice:
+    parsed = None if mode is None else parse_tool_calls(mode, output.text)
+    if parsed is None:
+        message = ChatResponseMessage(content=output.text)
+        finish_reason = output.finish_reason
+    else:
+        message = ChatResponseMessage(content=parsed[0], tool_calls=parsed[1])
+        finish_reason = "tool_calls"
+    return ChatChoice(
+        index=output.index,
+        message=message,
+        logprobs=_chat_logprobs(output, request),
+        finish_reason=finish_reason,
+        stop_reason=output.stop_reason,
+    )
+
+
+def _tool_stream_choices(
+    completions: list[CompletionOutput], mode: ToolMode, texts: dict[int, str]
+) -> list[ChatStreamChoice]:
+    """The choices that ended in this step: their content (if any), tool-call deltas, then a
+    finish (all content when the output holds no calls); the others' text is kept in `texts`
+    until they end. Each goes in its own chunk."""
+    choices = []
+    for output in completions:
+        index, text = output.index, texts.pop(output.index, "") + output.text
+        if output.finish_reason is None:
+            texts[index] = text
+            continue
+        parsed = parse_tool_calls(mode, text)
+        content, calls = (text, []) if parsed is None else parsed
+        if content:
+            choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
+        choices.extend(
+            ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
+            for call_delta in tool_call_deltas(calls)
+        )
+        choices.append(
+            ChatStreamChoice(
+                index=index,
+                delta=ChatDelta(),
+                finish_reason=output.finish_reason if parsed is None else "tool_calls",
+                stop_reason=output.stop_reason,
+            )
+        )
+    return choices
+
+
+def _as_template_message(message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -106,7 +173,11 @@ def _as_template_message(message: ChatMessage) -> dict[str, str]:
                 )
             texts.append(part["text"])
         content = "".join(texts)
-    return {"role": message.role, "content": content or ""}
+    return {
+        "role": message.role,
+        "content": content or "",
+        **template_message_tool_fields(message),
+    }
 
 
 def _stream_choice(output: CompletionOutput, request: ChatCompletionRequest) -> ChatStreamChoice:

@@ -57,9 +57,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _split_prompts(request.prompt)
         # The limit on n counts completions: a batch asks for n per prompt.
         self.limits.check_n(len(prompts) * request.n)
+        constraint = await self.make_constraint(request)
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
         inputs = [
-            EngineInput(text, token_ids, self.make_sampling_params(request, len(token_ids)))
+            EngineInput(
+                text, token_ids, self.make_sampling_params(request, len(token_ids), constraint)
+            )
             for text, token_ids in tokenized
         ]
         output_kind = "delta" if request.stream else "final"

@@ -13,6 +13,7 @@ and streaming other requests meanwhile.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,9 +28,16 @@ from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.structured import (
+    Constraint,
+    ServingOptions,
+    in_request_terms,
+    request_constraint,
+)
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
+from v1engine.structured_outputs.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
@@ -56,6 +64,7 @@ class OpenAIServing:
     served_model_names: the names clients may send as `model`; the first is reported back.
     max_model_len: the context length, prompt and output together.
     limits: what one request may ask for.
+    options: the chat template and constraint options.
     """
 
     def __init__(
@@ -65,7 +74,9 @@ class OpenAIServing:
         served_model_names: list[str],
         max_model_len: int,
         limits: RequestLimits,
+        options: ServingOptions | None = None,
     ) -> None:
+        self.options = options or ServingOptions()
         self.engine = engine
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
@@ -115,8 +126,34 @@ class OpenAIServing:
         vocab_size = self.engine.client.info.vocab_size
         self.limits.check_stop(request.stop_list, request.stop_token_ids or [], vocab_size)
 
-    def make_sampling_params(self, request: Any, num_prompt_tokens: int) -> SamplingParams:
-        """The request's SamplingParams; by default output may fill the rest of the context.
+    async def make_constraint(
+        self, request: Any, tools: Constraint | None = None
+    ) -> StructuredOutputsParams | None:
+        """The request's output constraint (or the tools' one), compiled once here (in a thread:
+        a large schema takes a while) so that a bad one is a 400 naming the request's field; the
+        engine's own compile is then a cache hit.
+
+        Raises:
+            APIError: 400 for more than one constraint or an invalid one.
+        """
+        constraint = request_constraint(request, self.options, tools)
+        if constraint is None:
+            return None
+        param, params = constraint
+        try:
+            await asyncio.to_thread(self.engine.processor.check_grammar, params)
+        except ValueError as e:
+            raise APIError(in_request_terms(e, param), param=param) from e
+        return params
+
+    def make_sampling_params(
+        self,
+        request: Any,
+        num_prompt_tokens: int,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The request's SamplingParams (with its output constraint); by default output may
+        fill the rest of the context.
 
         Raises:
             APIError: 400 for an invalid value or a prompt plus max_tokens over the context.
@@ -134,6 +171,8 @@ class OpenAIServing:
             )
         try:
             params = request.to_sampling_params(self.max_model_len - num_prompt_tokens)
+            if structured_outputs is not None:
+                params = dataclasses.replace(params, structured_outputs=structured_outputs)
         except ValueError as e:
             raise APIError.bad_request(e) from e
         if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > (

@@ -20,6 +20,7 @@ from v1engine.entrypoints.openai.protocol_tokenize import (
 )
 from v1engine.entrypoints.openai.serving_chat import _as_template_message
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing
+from v1engine.entrypoints.openai.tool_calls import template_tools
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -82,6 +83,8 @@ class OpenAIServingTokenization(OpenAIServing):
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=bool(request.add_special_tokens),
                 chat_template_kwargs=request.chat_template_kwargs,
+                tools=template_tools(request.tools),
+                chat_template=self.options.chat_template,
             )
         except ValueError as e:
             raise APIError(str(e), param="messages") from e

@@ -3,16 +3,17 @@ a draw. What it reads per step is `SamplingMetadata` (sampling_metadata.py).
 
 Order per row (HF's and vLLM's): logprobs from the raw logits (vLLM's default "raw logprobs":
 before bias, masks, penalties, temperature and truncation, so they describe the model, not the
-sampler), then `logit_bias` and the token masks (`allowed_token_ids`, bad words, EOS and stop
-tokens before `min_tokens`) as one additive tensor with -inf at masked tokens, then repetition /
-frequency / presence penalties, then greedy rows take the argmax; random rows divide by their
-temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then the smallest
-set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and draw with the
-exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with probability probs[i].
-The race needs no cumulative sum over the vocabulary and no host sync; a seeded row draws its q
-from its own generator, so its tokens depend only on its seed and logits, never on which other
-requests share the batch. Everything stays on the device: the caller moves `sampled_token_ids` to
-the host once.
+sampler), then a structured-output grammar's bitmask (-inf at every token it does not allow, so no
+later stage can bring one back), then `logit_bias` and the token masks (`allowed_token_ids`, bad
+words, EOS and stop tokens before `min_tokens`) as one additive tensor with -inf at masked tokens,
+then repetition / frequency / presence penalties, then greedy rows take the argmax; random rows
+divide by their temperature, keep the top-k tokens (ties with the k-th are kept, as HF does), then
+the smallest set whose probability reaches top_p, then tokens with prob >= min_p * max prob, and
+draw with the exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., picks token i with
+probability probs[i]. The race needs no cumulative sum over the vocabulary and no host sync; a
+seeded row draws its q from its own generator, so its tokens depend only on its seed and logits,
+never on which other requests share the batch. Everything stays on the device: the caller moves
+`sampled_token_ids` to the host once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Sampler(nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if metadata.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(
+                logits, metadata.grammar_bitmask_rows, metadata.grammar_bitmask
+            )
         if metadata.logit_bias is not None:
             # Out of place: `logits` may still be the caller's tensor.
             logits = logits.index_add(0, metadata.logit_bias_rows, metadata.logit_bias)
@@ -59,6 +64,20 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """A copy of logits [num_reqs, vocab_size] with -inf in `rows` ([num_rows] int64) at every
+    token whose bit is clear in `bitmask` ([num_rows, ceil(vocab_size / 32)] int32: token t is
+    bit t % 32 of word t // 32). Bits past vocab_size are ignored."""
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    # Arithmetic right shift of a negative word sign-extends, but `& 1` reads only bit `shift`.
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -10,7 +10,7 @@ a tensor leave their row untouched: top_k <= 0 or >= vocab, top_p >= 1, min_p 0,
 The logit-bias stage covers OpenAI's `logit_bias` and every token mask (`allowed_token_ids`, bad
 words, EOS held off by `min_tokens`) as one additive tensor with -inf at masked tokens, built only
 for the rows that use any of them: a batch without them pays nothing, and a batch with a few
-pays for those rows only.
+pays for those rows only. Structured outputs' grammar bitmask is likewise only for its rows.
 """
 
 from __future__ import annotations
@@ -54,6 +54,11 @@ class SamplingMetadata:
     # [num_biased_rows, vocab_size] fp32 added to those rows' logits: the logit_bias values,
     # -inf at tokens outside allowed_token_ids and at banned tokens.
     logit_bias: torch.Tensor | None = None
+    # [num_structured_rows] int64: the rows a grammar constrains, or None: no row.
+    grammar_bitmask_rows: torch.Tensor | None = None
+    # [num_structured_rows, ceil(vocab_size / 32)] int32: bit t % 32 of word t // 32 set iff
+    # the row may sample token t (xgrammar's packing).
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -79,10 +84,12 @@ class SamplingMetadata:
         banned_token_ids: list[list[int]] | None = None,
         generators: dict[int, torch.Generator] | None = None,
         max_num_logprobs: int | None = None,
+        grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
         """Builds the tensors from per-request Python values (a list left None is off for all
         rows; `banned_token_ids` are the tokens each row must not sample this step); the flags
-        come from the lists, so building needs no device reads."""
+        come from the lists, so building needs no device reads. `grammar_bitmask` is (rows, their
+        packed bitmask on any device)."""
         # Every list argument has one entry per request (read before any local is bound).
         _check_num_rows(
             len(temperature), {k: v for k, v in locals().items() if isinstance(v, list)}
@@ -104,7 +111,20 @@ class SamplingMetadata:
             max_num_logprobs=max_num_logprobs,
             **penalties,
             **_logit_bias_fields(num_reqs, vocab_size, device, *masks),
+            **_grammar_bitmask_fields(grammar_bitmask, device),
         )
+
+
+def _grammar_bitmask_fields(
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None, device: torch.device | str
+) -> dict:
+    if grammar_bitmask is None or not grammar_bitmask[0]:
+        return {}
+    rows, bitmask = grammar_bitmask
+    return {
+        "grammar_bitmask_rows": _tensor(rows, torch.int64, device),
+        "grammar_bitmask": bitmask.to(device=device, dtype=torch.int32, non_blocking=True),
+    }
 
 
 def _check_num_rows(num_reqs: int, per_request: dict[str, list]) -> None:

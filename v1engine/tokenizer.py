@@ -1,4 +1,5 @@
-"""The front end's tokenizer: the checkpoint's own, loaded from disk (never from a hub)."""
+"""The model's tokenizer, loaded from disk (never from a hub): the front end's, and the engine
+core's for structured outputs (so both packages import it from here, a leaf)."""
 
 from __future__ import annotations
 

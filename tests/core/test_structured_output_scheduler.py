@@ -1,0 +1,161 @@
+"""The scheduler with a real StructuredOutputManager (real xgrammar, SmolLM2's real tokenizer) and
+the fake worker: requests wait for their grammar without holding up the queue, only structured
+requests that sample get a bitmask row (none for a partial prefill chunk), matchers survive
+preemption, a terminated grammar stops its request, a failed or slow compile ends it with "error".
+
+The "model" samples a random token among those its bitmask row allows, so what comes out must
+fit the grammar whatever the chunking and preemption did.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from tests.core.fake_worker import make_kv_cache_config, make_request, make_worker, step
+from v1engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from v1engine.core.scheduler import Scheduler
+from v1engine.core.structured_output_manager import StructuredOutputManager
+from v1engine.model.hf_config import default_model_path, prepare_checkpoint
+from v1engine.request import FinishReason, RequestStatus
+from v1engine.structured_outputs import StructuredOutputsParams
+
+REGEX = r"[a-c]{2,5}-[0-9]{1,3}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(prepare_checkpoint(default_model_path()))
+
+
+def make_structured_scheduler(tokenizer, key: str = "smollm2", load=None, timeout_s=30.0, **kw):
+    manager = StructuredOutputManager(
+        ModelConfig(model=key), len(tokenizer), timeout_s, load or (lambda: tokenizer)
+    )
+    num_blocks = kw.pop("num_blocks", 64)
+    scheduler = Scheduler(
+        SchedulerConfig(128, kw.pop("max_num_batched_tokens", 64), 16),
+        CacheConfig(block_size=4),
+        make_kv_cache_config(num_blocks, 4),
+        manager,
+    )
+    return scheduler, manager
+
+
+def regex_request(request_id: str, prompt: list[int], **kwargs):
+    kwargs.setdefault("max_tokens", 40)
+    return make_request(
+        request_id, prompt, structured_outputs=StructuredOutputsParams(regex=REGEX), **kwargs
+    )
+
+
+class GrammarWorker:
+    """The fake worker, but a structured request's token is drawn from its bitmask row."""
+
+    def __init__(self, scheduler: Scheduler, seed: int = 0) -> None:
+        self.worker = make_worker(scheduler)
+        self.rng = random.Random(seed)
+        self.states = self.worker.states
+        self.bitmask_rows: list[dict[str, int]] = []
+
+    def execute_model(self, scheduler_output):
+        output = self.worker.execute_model(scheduler_output)
+        rows = scheduler_output.structured_output_request_ids
+        self.bitmask_rows.append(rows)
+        for i, req_id in enumerate(output.req_ids):
+            if req_id in rows:
+                assert output.sampled_token_ids[i], "a bitmask row for a request not sampling"
+                words = scheduler_output.grammar_bitmask[rows[req_id]]
+                allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+                output.sampled_token_ids[i] = [self.rng.choice(allowed.tolist())]
+        return output
+
+
+def run(scheduler, worker, max_steps=400) -> dict[str, tuple[list[int], str]]:
+    results: dict[str, tuple[list[int], str]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return results
+        _, outputs = step(scheduler, worker)
+        for req_id, out in outputs.items():
+            tokens = results.get(req_id, ([], ""))[0] + out.new_token_ids
+            results[req_id] = (tokens, str(out.finish_reason))
+    raise AssertionError("did not finish")
+
+
+def test_waiting_grammar_does_not_hold_up_the_queue(tokenizer) -> None:
+    release = threading.Event()
+    # A fresh tokenizer key: the compile must build its compiler, which waits for `release`.
+    scheduler, manager = make_structured_scheduler(
+        tokenizer, key="held", load=lambda: release.wait(60) and tokenizer
+    )
+    worker = GrammarWorker(scheduler)
+    scheduler.add_request(regex_request("structured", [5, 6, 7]))
+    scheduler.add_request(make_request("plain", [8, 9], max_tokens=3, ignore_eos=True))
+    output, _ = step(scheduler, worker)
+    assert list(output.num_scheduled_tokens) == ["plain"]
+    assert scheduler.requests["structured"].status == RequestStatus.WAITING_FOR_FSM
+    assert [r.request_id for r in scheduler.waiting] == ["structured"]
+    release.set()
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    results = run(scheduler, worker)
+    tokens, reason = results["structured"]
+    assert re.fullmatch(REGEX, tokenizer.decode(tokens, skip_special_tokens=True)), tokens
+    assert reason == "stop" and results["plain"][1] == "length"
+    manager.shutdown()
+
+
+def test_chunked_prefill_and_preemption_keep_outputs_in_the_grammar(tokenizer) -> None:
+    # 12 usable blocks of 4 tokens and an 8-token budget: long prompts are chunked, and the
+    # requests outgrow the pool, so some are preempted and recomputed.
+    scheduler, manager = make_structured_scheduler(
+        tokenizer, num_blocks=13, max_num_batched_tokens=8
+    )
+    worker = GrammarWorker(scheduler, seed=3)
+    for i in range(4):
+        scheduler.add_request(regex_request(f"s{i}", list(range(20 + i, 33 + i)), ignore_eos=True))
+        scheduler.add_request(make_request(f"p{i}", [40 + i] * 6, max_tokens=10, ignore_eos=True))
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    results = run(scheduler, worker)
+    assert scheduler.num_preemptions > 0
+    for i in range(4):
+        tokens, reason = results[f"s{i}"]
+        # ignore_eos: the grammar's stop token is accepted and ends the request with "stop".
+        assert reason == "stop" and tokens[-1] == tokenizer.eos_token_id
+        text = tokenizer.decode(tokens[:-1], skip_special_tokens=True)
+        assert re.fullmatch(REGEX, text), text
+    assert any(rows for rows in worker.bitmask_rows)
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("bad", [dict(grammar="root ::= "), dict(json='{"type": "objekt"}')])
+def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(tokenizer, bad) -> None:
+    scheduler, manager = make_structured_scheduler(tokenizer)
+    worker = GrammarWorker(scheduler)
+    request = make_request("bad", [1, 2], structured_outputs=StructuredOutputsParams(**bad))
+    scheduler.add_request(request)
+    scheduler.add_request(make_request("ok", [3, 4], max_tokens=2, ignore_eos=True))
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    results = run(scheduler, worker)
+    assert results["bad"] == ([], str(FinishReason.ERROR))
+    assert results["ok"][1] == "length" and not scheduler.requests
+    manager.shutdown()
+
+
+def test_a_compile_past_the_time_out_ends_its_request_with_error(tokenizer) -> None:
+    release = threading.Event()
+    scheduler, manager = make_structured_scheduler(
+        tokenizer, key="slow", load=lambda: release.wait(60) and tokenizer, timeout_s=0.0
+    )
+    scheduler.add_request(regex_request("slow", [1, 2]))
+    try:
+        results = run(scheduler, GrammarWorker(scheduler))
+    finally:
+        release.set()
+        manager.shutdown()
+    assert results["slow"] == ([], "error")

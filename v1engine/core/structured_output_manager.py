@@ -1,0 +1,159 @@
+"""StructuredOutputManager: the engine core's side of structured outputs (xgrammar).
+
+A request with `SamplingParams.structured_outputs` goes through these states:
+1. `grammar_init` (when the scheduler queues it): its grammar is submitted to the backend's thread
+   pool (a cached grammar is ready at once) and the request waits as WAITING_FOR_FSM, which the
+   scheduler skips without holding up the queue behind it.
+2. `update_waiting` (each schedule): once compiled, the request gets its own matcher (n > 1
+   children each have one) and becomes WAITING. A compile that failed or ran past the time-out
+   raises ValueError, and the scheduler finishes the request with "error".
+3. `grammar_bitmask` (each step): for the structured requests that sample this step, one packed
+   int32 row each of the tokens their matcher allows next; it travels in the SchedulerOutput and
+   the sampling rank masks the logits with it.
+4. `accept_token` (update_from_output): the matcher advances over each sampled token; a grammar
+   that has terminated (its stop token accepted) finishes the request with "stop".
+
+The matcher follows the output tokens only, and preemption keeps those: a recomputed request
+resumes with the matcher as it was, and needs no rollback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import xgrammar as xgr
+
+from v1engine.config import ModelConfig
+from v1engine.logger import init_logger
+from v1engine.request import Request, RequestStatus
+from v1engine.structured_outputs.backend import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    GrammarBackend,
+    compile_timeout_message,
+)
+from v1engine.tokenizer import load_tokenizer as load_tokenizer_from
+
+logger = init_logger(__name__)
+
+
+class StructuredOutputRequest:
+    """One request's grammar: its compile, then its matcher."""
+
+    def __init__(self, future: Future[xgr.CompiledGrammar], deadline: float) -> None:
+        self.future = future
+        self.deadline = deadline  # on time.monotonic()'s clock
+        self.matcher: xgr.GrammarMatcher | None = None
+
+
+class StructuredOutputManager:
+    """Args:
+    model_config: where the tokenizer is loaded from (on first use, on a compile thread).
+    vocab_size: the model's logits width (the bitmask covers it).
+    compile_timeout_s: a grammar not compiled by then fails its request.
+    load_tokenizer: returns the tokenizer (default: `model_config`'s, loaded from disk).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        vocab_size: int,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        load_tokenizer: Callable[[], Any] | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.load_tokenizer = load_tokenizer or (lambda: load_tokenizer_from(model_config))
+        # Built on the first structured request: an engine that never sees one never loads a
+        # tokenizer or starts a thread.
+        self._backend: GrammarBackend | None = None
+
+    def _get_backend(self) -> GrammarBackend:
+        if self._backend is None:
+            config = self.model_config
+            tokenizer_key = config.tokenizer or config.model
+            if tokenizer_key is None:
+                raise ValueError("structured outputs need a model with a tokenizer")
+            self._backend = GrammarBackend(tokenizer_key, self.load_tokenizer, self.vocab_size)
+        return self._backend
+
+    def grammar_init(self, request: Request) -> None:
+        """Starts compiling the request's grammar; the request waits for it."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None and request.status == RequestStatus.WAITING
+        future = self._get_backend().compile_async(params)
+        deadline = time.monotonic() + self.compile_timeout_s
+        request.structured_output_request = StructuredOutputRequest(future, deadline)
+        request.status = RequestStatus.WAITING_FOR_FSM
+
+    def update_waiting(self, waiting: Iterable[Request]) -> list[Request]:
+        """Makes the waiting requests whose grammar compiled WAITING; returns those whose
+        compile failed or ran past the time-out (logged here), for the scheduler to finish."""
+        failed = []
+        for request in [r for r in waiting if r.status == RequestStatus.WAITING_FOR_FSM]:
+            try:
+                if self._is_grammar_ready(request):
+                    request.status = RequestStatus.WAITING
+            except ValueError as e:
+                logger.error("request %s failed: %s", request.request_id, e)
+                failed.append(request)
+        return failed
+
+    def _is_grammar_ready(self, request: Request) -> bool:
+        """Whether the grammar compiled (then the request has its matcher).
+
+        Raises:
+            ValueError: the compile failed or ran past the time-out; says which grammar.
+        """
+        so_request = request.structured_output_request
+        if not so_request.future.done():
+            if time.monotonic() < so_request.deadline:
+                return False
+            params = request.sampling_params.structured_outputs
+            raise ValueError(compile_timeout_message(params, self.compile_timeout_s))
+        # A failed compile re-raises its ValueError here.
+        so_request.matcher = xgr.GrammarMatcher(so_request.future.result())
+        return True
+
+    def wait_for_grammars(self, waiting: Iterable[Request], timeout_s: float) -> None:
+        """Blocks until a waiting request's grammar compiles, or `timeout_s` passes (at once
+        when none is compiling): an engine with nothing else to do waits here, not spinning."""
+        futures = [
+            r.structured_output_request.future
+            for r in waiting
+            if r.status == RequestStatus.WAITING_FOR_FSM
+        ]
+        if futures:
+            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
+        """[len(requests), ceil(vocab_size / 32)] int32: row i's bit t set iff request i may
+        sample token t next (xgrammar's packing: token t is bit t % 32 of word t // 32)."""
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for row, request in enumerate(requests):
+            request.structured_output_request.matcher.fill_next_token_bitmask(bitmask, row)
+        return bitmask.numpy()
+
+    def accept_token(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Advances the request's matcher over its sampled token. Returns the status that ends
+        the request (FINISHED_STOPPED: the grammar terminated; FINISHED_ERROR: the grammar
+        rejected a token the bitmask allowed, possible only when another mask left no token),
+        or None: it goes on."""
+        matcher = request.structured_output_request.matcher
+        if not matcher.accept_token(token_id):
+            logger.error(
+                "request %s: token %d does not fit its grammar; finishing it",
+                request.request_id,
+                token_id,
+            )
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
+
+    def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()

@@ -1,0 +1,166 @@
+"""A request's output constraint: OpenAI's `response_format`, vLLM's `structured_outputs` and
+`guided_*` fields, or the tools' schema (tool_calls.py) -> one `StructuredOutputsParams`.
+
+A request sets at most one constraint; each error names the request's own field (its `param`),
+not the engine's name for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol_structured import StructuredFields
+from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from v1engine.structured_outputs.params import KINDS, StructuredOutputsParams
+
+# A constraint as the request gave it: (the request's field, StructuredOutputsParams fields).
+Constraint = tuple[str, dict[str, Any]]
+_GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+_BACKENDS = ("xgrammar", "auto")
+_FIELDS = {f.name for f in fields(StructuredOutputsParams)}
+_KIND_NAME = re.compile(rf"StructuredOutputsParams\.(?:{'|'.join(KINDS)})\b")
+
+
+@dataclass
+class ServingOptions:
+    """The server's options for chat and constraints (flags of `python -m v1engine.serve`)."""
+
+    # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
+    chat_template: str | None = None
+    # JSON constraints allow no whitespace between tokens, unless a request's
+    # `structured_outputs` says otherwise (OpenAI's API has no per-request field for it).
+    disable_any_whitespace: bool = False
+    # `tool_choice: "auto"`: the parser that finds the calls in the text (None: "auto" is a 400).
+    tool_call_parser: str | None = None
+
+    @staticmethod
+    def add_cli_args(group: Any) -> None:
+        group.add_argument(
+            "--chat-template",
+            default=None,
+            help="file of a Jinja chat template to use instead of the tokenizer's",
+        )
+        group.add_argument(
+            "--structured-outputs-disable-any-whitespace",
+            action="store_true",
+            help="constrained JSON has no whitespace between tokens (a request's "
+            "structured_outputs.disable_any_whitespace overrides it)",
+        )
+        group.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='serve tool_choice "auto" (needs --tool-call-parser)',
+        )
+        group.add_argument(
+            "--tool-call-parser",
+            choices=TOOL_CALL_PARSERS,
+            default=None,
+            help="how tool calls are found in a model's text for tool_choice auto",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
+        """Raises ValueError when the chat template file cannot be read, or for
+        --enable-auto-tool-choice without --tool-call-parser."""
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"({', '.join(TOOL_CALL_PARSERS)})"
+            )
+        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        template = None
+        if args.chat_template is not None:
+            try:
+                with open(args.chat_template, encoding="utf-8") as f:
+                    template = f.read()
+            except OSError as e:
+                raise ValueError(
+                    f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
+                ) from e
+        return cls(template, args.structured_outputs_disable_any_whitespace, parser)
+
+
+def request_constraint(
+    request: StructuredFields, options: ServingOptions, tools: Constraint | None = None
+) -> tuple[str, StructuredOutputsParams] | None:
+    """The request's one constraint as (its field, params), or None.
+
+    Raises:
+        APIError: 400 for more than one constraint, or one that is malformed, naming its field.
+    """
+    constraints = _given_constraints(request, options)
+    if tools is not None:
+        constraints.append(tools)
+    if not constraints:
+        return None
+    if len(constraints) > 1:
+        names = [name for name, _ in constraints]
+        raise APIError(
+            f"a request takes one output constraint, got {len(names)}: {', '.join(names)}; "
+            "keep one of them",
+            param=names[0],
+        )
+    param, fields = constraints[0]
+    unknown = sorted(fields.keys() - _FIELDS)
+    if unknown:
+        raise APIError(
+            f"{param} has no field {', '.join(map(repr, unknown))}; its fields are "
+            f"{', '.join(sorted(_FIELDS))}",
+            param=param,
+        )
+    try:
+        return param, StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise APIError(in_request_terms(e, param), param=param) from e
+
+
+def in_request_terms(error: ValueError, param: str) -> str:
+    """The engine's message about a constraint, naming the request's field instead of
+    StructuredOutputsParams' (`StructuredOutputsParams.regex` is `guided_regex` of a
+    guided_regex, `structured_outputs.regex` of a structured_outputs)."""
+    message = str(error)
+    if "StructuredOutputsParams" not in message:
+        return f"invalid {param}: {message}"
+    if param != "structured_outputs":
+        message = _KIND_NAME.sub(param, message)
+    return message.replace("StructuredOutputsParams", param)
+
+
+def _given_constraints(request: StructuredFields, options: ServingOptions) -> list[Constraint]:
+    backend = request.guided_decoding_backend
+    if backend is not None and backend not in _BACKENDS:
+        raise APIError(
+            f"guided_decoding_backend {backend!r} is not supported; use one of {_BACKENDS}",
+            param="guided_decoding_backend",
+        )
+    if request.guided_whitespace_pattern is not None:
+        # The outlines backend's option; xgrammar's whitespace is on or off.
+        raise APIError(
+            "guided_whitespace_pattern is not supported by the xgrammar backend; use "
+            'structured_outputs {"json": ..., "disable_any_whitespace": true} for compact JSON',
+            param="guided_whitespace_pattern",
+        )
+    compact = {"disable_any_whitespace": options.disable_any_whitespace}
+    constraints = []
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        constraints.append(("response_format", {"json_object": True, **compact}))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise APIError(
+                'response_format {"type": "json_schema"} needs json_schema.schema',
+                param="response_format",
+            )
+        constraints.append(("response_format", {"json": spec.json_schema, **compact}))
+    if request.structured_outputs is not None:
+        constraints.append(("structured_outputs", {**compact, **request.structured_outputs}))
+    for kind in _GUIDED_KINDS:
+        value = getattr(request, f"guided_{kind}")
+        if value is not None:
+            constraints.append((f"guided_{kind}", {kind: value, **compact}))
+    return constraints

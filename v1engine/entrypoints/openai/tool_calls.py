@@ -1,0 +1,163 @@
+"""Tool calls without a parser, as vLLM makes them: `tool_choice` "required" or a named function
+constrains the output to the tools' JSON schemas, and the output is read back as tool calls.
+
+"required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}` (at most
+one item when `parallel_tool_calls` is false); a named function: its arguments object. "none"
+leaves the output free; "auto" leaves it free too and needs the server's tool-call parser
+(`--enable-auto-tool-choice --tool-call-parser hermes`) to find the calls in the text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
+from v1engine.entrypoints.openai.protocol_structured import (
+    ChatTool,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from v1engine.entrypoints.openai.structured import Constraint, ServingOptions
+from v1engine.entrypoints.openai.tool_parsers import parse_hermes
+
+# vLLM's answer to "auto" when the server runs without a parser.
+AUTO_NEEDS_PARSER = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
+# Any parameters at all, for a function that declares none.
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolMode:
+    """How a chat request's tools shape its output: `constraint` for "required" and a named
+    function (`named`: its name), none for "auto", whose calls `parser` finds in the text."""
+
+    constraint: Constraint | None
+    named: str | None = None
+    parser: str | None = None
+
+
+def tool_mode(request: ChatCompletionRequest, options: ServingOptions) -> ToolMode | None:
+    """The request's ToolMode, or None when its output is free text.
+
+    Raises:
+        APIError: 400 for "auto" without the server's parser, a tool_choice without tools, or
+            an unknown function name.
+    """
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if request.tools else "none"
+    if choice == "none":
+        return None
+    if not request.tools:
+        raise APIError(f"tool_choice {_describe(choice)} needs tools", param="tool_choice")
+    if choice == "auto":
+        if options.tool_call_parser is None:
+            raise APIError(AUTO_NEEDS_PARSER, param="tool_choice")
+        return ToolMode(None, parser=options.tool_call_parser)
+    schemas = {t.function.name: t.function.parameters or _ANY_OBJECT for t in request.tools}
+    whitespace = {"disable_any_whitespace": options.disable_any_whitespace}
+    if choice == "required":
+        schema = _required_schema(schemas, request.parallel_tool_calls)
+        return ToolMode(("tool_choice", {"json": schema, **whitespace}))
+    name = choice.function.name
+    if name not in schemas:
+        raise APIError(
+            f"tool_choice names the function {name!r}, which is not among the tools "
+            f"({', '.join(map(repr, schemas))})",
+            param="tool_choice",
+        )
+    return ToolMode(("tool_choice", {"json": schemas[name], **whitespace}), name)
+
+
+def _describe(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in schemas.items()
+    ]
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    return array
+
+
+def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]] | None:
+    """`(content, tool calls)` of a finished output, or None when it holds no calls (no
+    `<tool_call>` for "auto"; not whole JSON, cut off by max_tokens, for the others): then it
+    is all content."""
+    if mode.parser is not None:
+        content, calls = parse_hermes(text)
+        if not calls:
+            return None
+    else:
+        content = None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if mode.named is not None:
+            calls = [(mode.named, text)]
+        else:
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+    tool_calls = [
+        ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=n, arguments=a))
+        for n, a in calls
+    ]
+    return content, tool_calls
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
+    """Streamed as OpenAI streams calls: per call, a delta with its id, type and name, then its
+    arguments (whose deltas, concatenated, are the call's arguments)."""
+    deltas = []
+    for index, call in enumerate(calls):
+        head = DeltaFunctionCall(name=call.function.name, arguments="")
+        deltas.append(DeltaToolCall(index=index, id=call.id, type="function", function=head))
+        arguments = DeltaFunctionCall(arguments=call.function.arguments)
+        deltas.append(DeltaToolCall(index=index, function=arguments))
+    return deltas
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template's `tools` variable."""
+    return None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def template_message_tool_fields(message: Any) -> dict[str, Any]:
+    """An assistant's `tool_calls` (arguments decoded to objects, as chat templates iterate
+    them) and a tool message's `tool_call_id`, for the chat template."""
+    fields: dict[str, Any] = {}
+    if message.tool_calls is not None:
+        fields["tool_calls"] = [_decoded_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        fields["name"] = message.name
+    return fields
+
+
+def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
