@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-LANGCHAIN_REQUIREMENT = "langchain-openai==1.7.4"
+LANGCHAIN_REQUIREMENT = "langchain-openai==1.7.3"
 DEFAULT_VENV = "~/.cache/v1engine/langchain-venv"
 METHODS = ["json_schema", "function_calling", "json_mode"]
 SERVER_FLAGS = ["--structured-outputs-disable-any-whitespace"]
