@@ -26,19 +26,14 @@ import argparse
 import glob
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
+from _serve_utils import SERVED_NAME, Server, ensure_venv
 
 LM_EVAL_REQUIREMENT = "lm-eval[api,hf]==0.4.13"
 DEFAULT_VENV = "~/.cache/v1engine/lm-eval-venv"
-SERVED_NAME = "v1e"
-_LISTENING = re.compile(r"listening on (http://[^ ]+)")
 
 # (question, choices, index of the answer): plain facts, so a 135M model has preferences.
 _ITEMS = [
@@ -90,19 +85,8 @@ metric_list:
 
 def ensure_lm_eval_venv(venv: str) -> str:
     """The venv's python, installing lm-eval there first if it is missing."""
-    python = os.path.join(venv, "bin", "python")
-    if os.path.exists(python) and _run_ok([python, "-c", "import lm_eval"]):
-        return python
-    print(f"lm_eval_parity: installing {LM_EVAL_REQUIREMENT} into {venv} (a few minutes)")
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True)
-    subprocess.run(pip + [LM_EVAL_REQUIREMENT], check=True)
-    return python
-
-
-def _run_ok(args: list[str]) -> bool:
-    return subprocess.run(args, capture_output=True).returncode == 0
+    requirements = [["torch==2.13.0"], [LM_EVAL_REQUIREMENT]]
+    return ensure_venv(venv, requirements, "lm_eval", "lm_eval_parity")
 
 
 def write_tasks(directory: str) -> None:
@@ -114,41 +98,6 @@ def write_tasks(directory: str) -> None:
         f.write(_MC_TASK.format(data=data))
     with open(os.path.join(directory, "v1e_gen.yaml"), "w") as f:
         f.write(_GEN_TASK.format(data=data))
-
-
-class Server:
-    """`python -m v1engine.serve` on a free port, logging to a file; stopped with SIGTERM."""
-
-    def __init__(self, model: str, log_path: str, extra_args: list[str], timeout_s: float) -> None:
-        args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", "0"]
-        args += ["--served-model-name", SERVED_NAME, "--dtype", "float32", *extra_args]
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = self._wait_ready(timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited {self.proc.returncode}; see {self.log_path}")
-            with open(self.log_path) as f:
-                match = _LISTENING.search(f.read())
-            if match and httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200:
-                return match.group(1)
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"the server was not ready in {timeout_s:.0f} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def run_lm_eval(python: str, tasks_dir: str, out_dir: str, model: str, model_args: str,
