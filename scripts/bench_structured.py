@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import statistics
 import time
 from typing import Any
+
+from _bench_utils import cpu_machine_info
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -272,14 +272,7 @@ def main() -> None:
     add_ratios(results)
     print_tables(results, compile_times)
     if args.json:
-        import torch
-
-        machine = {
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "device": "cpu",
-            "python": platform.python_version(),
-        }
+        machine = cpu_machine_info()
         report = {
             "machine": machine,
             "args": vars(args),

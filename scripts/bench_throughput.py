@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from typing import Any
 
 import torch
+from _bench_utils import cpu_machine_info
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -159,12 +159,7 @@ def main() -> None:
         )
     print(f"v1engine / transformers = {ratio:.2f}x")
     if args.json:
-        machine = {
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "device": "cpu",
-            "python": platform.python_version(),
-        }
+        machine = cpu_machine_info()
         with open(args.json, "w") as f:
             json.dump(
                 {"machine": machine, "results": results, "ratio": round(ratio, 3)}, f, indent=2
