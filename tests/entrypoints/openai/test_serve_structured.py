@@ -260,6 +260,9 @@ def test_bad_tool_choices_are_400s(client) -> None:
     assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="needs tools"):
         chat(client, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="not streamed with tools") as info:
+        chat(client, tools=TOOLS, tool_choice="required", stream=True, logprobs=True)
+    assert info.value.body["param"] == "logprobs"
 
 
 HERMES_CALL = (

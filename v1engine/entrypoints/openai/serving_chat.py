@@ -47,6 +47,12 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
         mode = tool_mode(request, self.options)
+        if mode is not None and request.stream and request.logprobs:
+            # Tool calls stream whole when their choice ends; their tokens' logprobs would be lost.
+            raise APIError(
+                "logprobs are not streamed with tools; send stream=false to get them",
+                param="logprobs",
+            )
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         params = self.make_sampling_params(request, len(token_ids), constraint)
