@@ -25,6 +25,7 @@ from tests.worker.worker_utils import (
     rss_bytes,
     run_kv_cache_handshake,
     run_requests,
+    touch_kv_caches,
     worker_threads,
 )
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
@@ -121,14 +122,19 @@ def test_each_group_builds_metadata_for_one_attention_spec():
     assert kv_cache_group_specs(config) == [wide]
 
 
-def test_rss_grows_by_the_promised_bytes(hybrid_tp2):
-    _, configs, rss_before, rss_after = hybrid_tp2
-    for config, before, after in zip(configs, rss_before, rss_after):
+def test_cpu_cache_is_finite_and_commits_its_pages_on_first_touch(hybrid_tp2):
+    executor, configs, rss_before, rss_after = hybrid_tp2
+    touched = executor.collective_rpc(touch_kv_caches)
+    for config, before, after, (all_finite, rss_touched) in zip(
+        configs, rss_before, rss_after, touched
+    ):
         promised = sum(tensor.size for tensor in config.kv_cache_tensors)
         assert promised > 0.99 * KV_BYTES
-        growth = after - before
-        # Zero-filling commits every page; the warm-up adds a little on top.
-        assert 0.95 * promised <= growth <= promised + (24 << 20), (growth, promised)
+        assert all_finite  # a NaN in a masked slot would still poison attention
+        # Allocation maps the cache without committing it (the warm-up adds a little) ...
+        assert after - before <= 24 << 20, (after - before, promised)
+        # ... and writing every byte commits every page it promised.
+        assert 0.95 * promised <= rss_touched - before <= promised + (24 << 20)
 
 
 def test_cpu_workers_get_disjoint_cores_and_a_fair_memory_share(hybrid_tp2):

@@ -104,6 +104,18 @@ def kv_cache_layout(worker: Any) -> dict[str, tuple]:
     return layout
 
 
+def touch_kv_caches(worker: Any) -> tuple[bool, int]:
+    """Whether every KV cache value is finite (zeros, or what the warm-up wrote); then writes
+    every byte (which commits the pages of a lazily mapped cache) and returns the RSS after."""
+    all_finite = True
+    for key, value in worker.model_runner.kv_caches.values():
+        for cache in (key, value):
+            # In small parts: a whole-cache temporary would itself add to the RSS measured.
+            all_finite &= all(bool(torch.isfinite(p).all()) for p in cache.view(-1).split(1 << 16))
+            cache.view(-1).view(torch.int8).fill_(1)
+    return all_finite, rss_bytes(worker)
+
+
 def rss_bytes(worker: Any) -> int:
     import psutil
 

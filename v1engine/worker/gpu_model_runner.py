@@ -17,6 +17,7 @@ The class runs on CPU or CUDA alike; its name follows vLLM.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,11 @@ from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt
 from v1engine.worker.request_states import RequestStates
 
 logger = init_logger(__name__)
+
+
+def _nothing() -> None:
+    pass
+
 
 # Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
 _WARM_UP_NUM_DECODES = 4
@@ -117,23 +123,33 @@ class GPUModelRunner:
         """`max_num_batched_tokens` spread evenly over up to `max_num_seqs` requests, none
         longer than max_model_len."""
         num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        num_reqs = min(self.max_num_reqs, num_tokens)
-        base, extra = divmod(num_tokens, num_reqs)
-        return [base + (1 if i < extra else 0) for i in range(num_reqs)]
+        return _spread(num_tokens, min(self.max_num_reqs, num_tokens))
 
-    def profile_run(self) -> None:
+    def profile_run(
+        self, token_limit: int | None = None, after_forward: Callable[[float], None] | None = None
+    ) -> None:
         """The largest step the scheduler may send, without KV cache: a forward over
         `max_num_batched_tokens` tokens in `max_num_seqs` requests, then the sampler with every
-        stage on over one row per request."""
-        self._dummy_run(self._profile_query_lens())
+        stage on over one row per request. With `token_limit`, a forward of at most that many
+        tokens stands in for the largest one; `after_forward(scale)` is called between the two
+        with how many times more tokens the largest forward has (1.0 when it ran whole)."""
+        query_lens = self._profile_query_lens()
+        scale = sum(query_lens)
+        if token_limit is not None and scale > token_limit:
+            query_lens = _spread(token_limit, min(len(query_lens), token_limit))
+        scale /= sum(query_lens)
+        self._dummy_run(query_lens, lambda: after_forward(scale) if after_forward else None)
 
     @torch.inference_mode()
-    def _dummy_run(self, query_lens: list[int]) -> None:
+    def _dummy_run(
+        self, query_lens: list[int], after_forward: Callable[[], Any] = _nothing
+    ) -> None:
         inputs = build_dummy_model_inputs(
             query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
-        hidden = self._forward(inputs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_reqs, vocab]
+        hidden = self._forward(inputs)[inputs.logits_indices]
+        after_forward()
+        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
         sampling = dummy_sampling_metadata(
             len(query_lens), self.vocab_size, max(query_lens), self.device
         )
@@ -247,3 +263,9 @@ class GPUModelRunner:
             )
         self.states.update(scheduler_output)
         self.prompt_logprobs_states.update(scheduler_output)
+
+
+def _spread(num_tokens: int, num_reqs: int) -> list[int]:
+    """`num_tokens` split as evenly as possible over `num_reqs` requests."""
+    base, extra = divmod(num_tokens, num_reqs)
+    return [base + (1 if i < extra else 0) for i in range(num_reqs)]

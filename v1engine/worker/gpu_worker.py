@@ -23,7 +23,12 @@ from v1engine.utils import GiB_bytes
 from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
 from v1engine.worker.gpu_model_runner import GPUModelRunner
 from v1engine.worker.kv_cache import kv_cache_spec_from_config
-from v1engine.worker.memory import MemoryProfile, profile_cpu, profile_cuda
+from v1engine.worker.memory import (
+    CPU_PROFILE_TOKENS,
+    MemoryProfile,
+    profile_cpu,
+    profile_cuda,
+)
 from v1engine.worker.worker_base import WorkerBase
 
 logger = init_logger(__name__)
@@ -117,7 +122,10 @@ class Worker(WorkerBase):
             world_size = self.config.parallel_config.world_size
             weights_bytes = self.model_runner.weights_bytes
             profile = profile_cpu(
-                self.model_runner.profile_run, weights_bytes, utilization, world_size
+                lambda mark: self.model_runner.profile_run(CPU_PROFILE_TOKENS, mark),
+                weights_bytes,
+                utilization,
+                world_size,
             )
         self.memory_profile = profile
         info_once(logger, "Memory profile (%s): %s", self.device, profile.describe())

@@ -3,7 +3,8 @@
 Binding also tells each layer its KV cache group, whose entry of the step's per-group attention
 metadata it reads; `kv_cache_group_specs` gives the spec each group's metadata is built for.
 
-Each `KVCacheTensor` is one zero-filled byte buffer of `size` bytes. Every layer in its
+Each `KVCacheTensor` is one zero-filled byte buffer of `size` bytes (see `_zeroed_bytes` for why
+zeros, and how the CPU gets them without a fill). Every layer in its
 `shared_by` views the whole buffer as `[2, num_blocks, block_size, num_kv_heads, head_size]` of
 its cache dtype: index 0 is the key cache, 1 the value cache, each
 `[num_blocks, block_size, num_kv_heads, head_size]`. Layers sharing a buffer belong to different
@@ -12,6 +13,7 @@ KV cache groups, whose block ids never overlap, so they never touch the same byt
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -81,6 +83,21 @@ def _view_layer(buffer: torch.Tensor, spec: AttentionSpec, num_blocks: int, name
     return kv[0], kv[1]
 
 
+def _zeroed_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """`size` zero bytes. Zeros, not garbage: decode attends over whole blocks and masks the
+    slots past a sequence's end, and a masked NaN still poisons SDPA's product with V (0 x NaN).
+    Once written, a slot only ever holds finite K/V, so zeros are needed at allocation only.
+
+    On the CPU the buffer is an anonymous mapping: the kernel hands out zero pages on first
+    touch, so gigabytes cost nothing at start-up (a fill took ~1 s per GiB) and pages are
+    committed as blocks come into use. On a GPU, filling is fast and the allocator's memory may
+    hold anything."""
+    if device.type != "cpu":
+        return torch.zeros(size, dtype=torch.int8, device=device)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.int8)  # keeps the mapping alive
+
+
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device) -> dict[str, KVCache]:
     """Zero-filled caches for every layer of the config: layer name -> (key, value).
 
@@ -91,9 +108,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device) -> 
     specs = layer_kv_cache_specs(kv_cache_config)
     caches: dict[str, KVCache] = {}
     for tensor in kv_cache_config.kv_cache_tensors:
-        # zeros, not empty: a fresh block must never hold stale K/V, and on CPU the fill also
-        # commits the pages now rather than on first use in some later step.
-        buffer = torch.zeros(tensor.size, dtype=torch.int8, device=device)
+        buffer = _zeroed_bytes(tensor.size, device)
         for name in tensor.shared_by:
             caches[name] = _view_layer(buffer, specs[name], kv_cache_config.num_blocks, name)
     missing = sorted(set(specs) - set(caches))
