@@ -32,8 +32,9 @@ def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 class ModelConfig:
     """What model runs and how. `model=None` means no model (worker-level RPC only).
 
-    `hf_config` is the checkpoint's transformers config (read from its config files, never its
-    weights); `max_model_len` is resolved against it by `EngineArgs.create_engine_config`.
+    `hf_config` is the checkpoint's transformers config as plain attributes (`HFConfig`, read
+    from its config files, never its weights); `max_model_len` is resolved against it by
+    `EngineArgs.create_engine_config`.
     """
 
     model: str | None = None

@@ -29,7 +29,6 @@ from typing import Any
 import zmq
 
 from v1engine.config import EngineConfig
-from v1engine.core.engine_core import EngineCore
 from v1engine.core_protocol import (
     EngineCoreInfo,
     EngineCoreRequestType,
@@ -93,6 +92,10 @@ class InprocClient(EngineCoreClient):
     """The EngineCore in this process (workers are still processes with the mp executor)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # Imported here: a front end with its core in another process never loads the core's
+        # modules (torch among them).
+        from v1engine.core.engine_core import EngineCore
+
         self.engine_core = EngineCore(config)
         self.info = self.engine_core.info
         self._dead_reason: str | None = None

@@ -25,7 +25,6 @@ import msgspec
 import zmq
 
 from v1engine.config import EngineConfig
-from v1engine.core.core_proc import run_engine_core
 from v1engine.core_protocol import (
     EngineCoreInfo,
     EngineCoreOutputType,
@@ -44,6 +43,14 @@ logger = init_logger(__name__)
 
 # Joins the sync test client's output thread at close (it wakes at once through the pipe).
 _READER_JOIN_S = 5.0
+
+
+def _run_engine_core(*args: Any) -> None:
+    """The core process's entry point. The import happens there, not here: the engine core's
+    modules (torch, xgrammar) are not the front end's to load."""
+    from v1engine.core.core_proc import run_engine_core
+
+    run_engine_core(*args)
 
 
 class CoreProcess:
@@ -79,7 +86,7 @@ class CoreProcess:
         args = (config, self.input_address, self.output_address, self.ipc_dir)
         # Not a daemon: daemonic processes may not have children, and the workers are its.
         self.child = ChildProcess(
-            run_engine_core, args, name="V1EngineCore", label="the engine core", daemon=False
+            _run_engine_core, args, name="V1EngineCore", label="the engine core", daemon=False
         )
         try:
             info = self.child.wait_until_ready(ENGINE_CORE_STARTUP_TIMEOUT_S)

