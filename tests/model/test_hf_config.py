@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint, make_config
+from tests.timeouts import scaled
 from v1engine.model.hf_config import (
     check_tensor_parallel_shape,
     default_model_path,
@@ -123,3 +124,46 @@ def test_resolve_dtype():
     assert resolve_dtype(config, "auto", "cuda") == torch.float16
     assert resolve_dtype(make_config("llama"), "auto", "cuda") == torch.bfloat16
     assert resolve_dtype(config, "bfloat16", "cpu") == torch.bfloat16
+
+
+_LOAD = """
+import json, sys
+from v1engine.model.hf_config import load_hf_config
+values = vars(load_hf_config(sys.argv[1]))
+print(json.dumps({"values": values, "transformers": "transformers" in sys.modules}))
+"""
+
+
+def _load_in_fresh_process(path: str, home: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HOME": home}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD, path], env=env, capture_output=True, text=True,
+        timeout=scaled(120), check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_config_is_cached_by_content_and_a_hit_needs_no_transformers(tmp_path):
+    path = make_checkpoint(tmp_path / "a", "qwen3")
+    home = str(tmp_path / "home")
+    miss = _load_in_fresh_process(path, home)
+    hit = _load_in_fresh_process(path, home)
+    assert miss["transformers"] and not hit["transformers"]
+    assert hit["values"] == miss["values"] and hit["values"]["model_type"] == "qwen3"
+    assert "head_dim" in hit["values"]  # a default of the config class, not in config.json
+    assert len(os.listdir(os.path.join(home, ".cache", "v1engine", "hf_configs"))) == 1
+    other = make_checkpoint(tmp_path / "b", "qwen3", num_hidden_layers=3)
+    assert _load_in_fresh_process(other, home)["values"]["num_hidden_layers"] == 3
+
+
+def test_an_unwritable_cache_is_skipped(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("a file where the cache directory would go")
+    loaded = _load_in_fresh_process(path, str(home))
+    assert loaded["values"]["model_type"] == "llama" and loaded["transformers"]

@@ -7,10 +7,12 @@ downloaded. GGUF files are converted once into a cached HF directory by `prepare
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
+import tempfile
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +34,8 @@ def is_gguf_file(model: str) -> bool:
 
 
 class HFConfig(types.SimpleNamespace):
-    """A checkpoint's transformers config as plain attributes: `PretrainedConfig.to_dict()`, so
-    every default its config class fills in is there. This is what `ModelConfig.hf_config` holds
+    """A checkpoint's transformers config as plain attributes: its config class's full JSON form,
+    so every default that class fills in is there. This is what `ModelConfig.hf_config` holds
     and what crosses to the engine core and the workers, which then never import transformers'
     config classes (unpickling one pulled in torch._dynamo: 1.6 s in the core, 2.9 s per worker
     at start-up). Read attributes, or `getattr(config, name, default)` for optional ones."""
@@ -86,12 +88,25 @@ def _config_dict(path: str) -> dict[str, Any]:
     values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
     # Private keys (the path it was read from) would be stale for the next directory.
     values = {name: value for name, value in values.items() if not name.startswith("_")}
-    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-    temp = f"{cache_file}.{os.getpid()}.tmp"
-    with open(temp, "w") as f:
-        json.dump(values, f)
-    os.replace(temp, cache_file)  # atomic: a concurrent reader sees all of it or nothing
+    _write_atomically(cache_file, json.dumps(values))
     return values
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Writes `path` whole or not at all (a concurrent reader never sees part of it); a cache
+    that cannot be written (a read-only home) is skipped, not an error."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
 
 
 def get_architecture(hf_config: Any) -> str:
