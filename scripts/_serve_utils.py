@@ -1,5 +1,6 @@
-"""Helpers shared by the scripts that drive `python -m v1engine.serve` from a client installed in
-its own venv (lm_eval_parity.py, langchain_structured.py): the venv, and the server process.
+"""Helpers shared by the scripts that drive `python -m v1engine.serve` (lm_eval_parity.py and
+langchain_structured.py, whose clients live in their own venvs; bench_startup.py): the venv, and
+the server process.
 """
 
 from __future__ import annotations
@@ -40,15 +41,31 @@ def _run_ok(args: list[str]) -> bool:
 class Server:
     """`python -m v1engine.serve` on a free port, logging to a file; stopped with SIGTERM."""
 
-    def __init__(self, model: str, log_path: str, extra_args: list[str], timeout_s: float) -> None:
+    def __init__(
+        self,
+        model: str,
+        log_path: str,
+        extra_args: list[str],
+        timeout_s: float,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
+        """Returns once /health answers 200; `ready_s` is how long that took from the launch
+        (to within `poll_s`). `cwd`/`env` run another checkout (bench_startup.py's baseline)."""
         args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", "0"]
         args += ["--served-model-name", SERVED_NAME, "--dtype", "float32", *extra_args]
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = self._wait_ready(timeout_s)
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd, env=env
+        )
+        self.url = self._wait_ready(timeout_s, poll_s)
+        self.ready_s = time.perf_counter() - start
 
-    def _wait_ready(self, timeout_s: float) -> str:
+    def _wait_ready(self, timeout_s: float, poll_s: float) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -57,7 +74,7 @@ class Server:
                 match = _LISTENING.search(f.read())
             if match and httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200:
                 return match.group(1)
-            time.sleep(0.5)
+            time.sleep(poll_s)
         self.stop()
         raise TimeoutError(f"the server was not ready in {timeout_s:.0f} s; see {self.log_path}")
 

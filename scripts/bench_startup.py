@@ -17,18 +17,16 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import contextmanager
 from typing import Any
 
 from _bench_utils import cpu_machine_info
+from _serve_utils import Server
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PHASES = re.compile(r"Engine ready in ([\d.]+) s \((.*)\)")
@@ -73,42 +71,16 @@ def measure_llm(root: str, model: str, tp: int) -> dict[str, Any]:
     return {"ready_s": ready_s, "phases": _phases(log)}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def measure_serve(root: str, model: str, tp: int) -> dict[str, Any]:
-    port = _free_port()
-    args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", str(port)]
-    with tempfile.TemporaryFile("w+") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            [*args, "--tensor-parallel-size", str(tp)],
-            cwd=root, env=_env(root), stdout=log, stderr=subprocess.STDOUT,
+    with tempfile.TemporaryDirectory() as log_dir:
+        log_path = os.path.join(log_dir, "serve.log")
+        server = Server(
+            model, log_path, ["--tensor-parallel-size", str(tp)], _TIMEOUT_S,
+            cwd=root, env=_env(root), poll_s=0.05,
         )  # fmt: skip
-        try:
-            ready_s = _wait_healthy(proc, port, start)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=_TIMEOUT_S)
-        log.seek(0)
-        text = log.read()
-    if ready_s is None:
-        raise RuntimeError(f"the server in {root} never became healthy:\n{text[-3000:]}")
-    return {"ready_s": ready_s, "phases": _phases(text)}
-
-
-def _wait_healthy(proc: subprocess.Popen, port: int, start: float) -> float | None:
-    while time.perf_counter() - start < _TIMEOUT_S and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    return time.perf_counter() - start
-        except OSError:
-            time.sleep(0.05)
-    return None
+        server.stop()
+        with open(log_path) as f:
+            return {"ready_s": server.ready_s, "phases": _phases(f.read())}
 
 
 @contextmanager

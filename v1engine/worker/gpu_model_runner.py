@@ -55,10 +55,6 @@ from v1engine.worker.request_states import RequestStates
 logger = init_logger(__name__)
 
 
-def _nothing() -> None:
-    pass
-
-
 # Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
 _WARM_UP_NUM_DECODES = 4
 
@@ -134,21 +130,23 @@ class GPUModelRunner:
         tokens stands in for the largest one; `after_forward(scale)` is called between the two
         with how many times more tokens the largest forward has (1.0 when it ran whole)."""
         query_lens = self._profile_query_lens()
-        scale = sum(query_lens)
-        if token_limit is not None and scale > token_limit:
+        num_tokens = sum(query_lens)
+        if token_limit is not None and num_tokens > token_limit:
             query_lens = _spread(token_limit, min(len(query_lens), token_limit))
-        scale /= sum(query_lens)
-        self._dummy_run(query_lens, lambda: after_forward(scale) if after_forward else None)
+        scale = num_tokens / sum(query_lens)
+        callback = None if after_forward is None else (lambda: after_forward(scale))
+        self._dummy_run(query_lens, callback)
 
     @torch.inference_mode()
     def _dummy_run(
-        self, query_lens: list[int], after_forward: Callable[[], Any] = _nothing
+        self, query_lens: list[int], after_forward: Callable[[], None] | None = None
     ) -> None:
         inputs = build_dummy_model_inputs(
             query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
         hidden = self._forward(inputs)[inputs.logits_indices]
-        after_forward()
+        if after_forward is not None:
+            after_forward()
         logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
         sampling = dummy_sampling_metadata(
             len(query_lens), self.vocab_size, max(query_lens), self.device
