@@ -17,7 +17,8 @@ import argparse
 import asyncio
 import hmac
 import signal
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -54,6 +55,7 @@ from v1engine.entrypoints.openai.startup import (
 )
 from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
+from v1engine.process import ENGINE_CORE_STARTUP_TIMEOUT_S
 from v1engine.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
@@ -223,7 +225,7 @@ def run_server(args: argparse.Namespace) -> int:
         # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
         client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
         try:
-            tokenizer = tokenizer_future.result()
+            tokenizer = _tokenizer_result(tokenizer_future)
             metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
             state = build_state(
                 AsyncLLM(client, tokenizer, config, metrics),
@@ -239,6 +241,16 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         loader.shutdown(cancel_futures=True)
         sock.close()
+
+
+def _tokenizer_result(future: Future) -> Any:
+    # A local load, which ran while the engine started: the engine's start-up bound is ample.
+    try:
+        return future.result(timeout=ENGINE_CORE_STARTUP_TIMEOUT_S)
+    except FutureTimeoutError:
+        raise RuntimeError(
+            f"the tokenizer did not load within {ENGINE_CORE_STARTUP_TIMEOUT_S:.0f} s"
+        ) from None
 
 
 async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
