@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def cpu_machine_info() -> dict:
@@ -15,3 +18,18 @@ def cpu_machine_info() -> dict:
         "device": "cpu",
         "python": platform.python_version(),
     }
+
+
+@contextmanager
+def busy_cores(enabled: bool = True) -> Iterator[None]:
+    """One busy process (`yes > /dev/null`) per core this process may use, while inside."""
+    procs = []
+    if enabled:
+        for _ in range(len(os.sched_getaffinity(0))):
+            procs.append(subprocess.Popen(["yes"], stdout=subprocess.DEVNULL))
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

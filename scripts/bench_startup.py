@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from _bench_utils import cpu_machine_info
+from _bench_utils import busy_cores, cpu_machine_info
 from _serve_utils import Server
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,20 +81,6 @@ def measure_serve(root: str, model: str, tp: int) -> dict[str, Any]:
         server.stop()
         with open(log_path) as f:
             return {"ready_s": server.ready_s, "phases": _phases(f.read())}
-
-
-@contextmanager
-def busy_cores(enabled: bool):
-    procs = []
-    if enabled:
-        for _ in range(len(os.sched_getaffinity(0))):
-            procs.append(subprocess.Popen(["yes"], stdout=subprocess.DEVNULL))
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 @contextmanager

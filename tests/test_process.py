@@ -62,6 +62,11 @@ def _sigterm_child(path: str, deaf: bool, ready_conn) -> None:
             f.write("clean-up ran")
 
 
+def _env_child(names: list[str], ready_conn) -> None:
+    values = [os.environ.get(name) for name in names]
+    report_startup(ready_conn, lambda: values, lambda built: built)
+
+
 def _orphan(path: str, hang: bool, ready_conn) -> None:
     def on_parent_death() -> None:
         with open(path, "w") as f:
@@ -93,6 +98,27 @@ def test_ready_payloads_come_back_in_order():
     finally:
         stop_children(children)
     assert all(not alive(c.pid) for c in children)
+
+
+def test_env_defaults_reach_the_child_unless_set_and_leave_this_process_alone(monkeypatch):
+    monkeypatch.setenv("V1ENGINE_TEST_SET", "mine")
+    monkeypatch.delenv("V1ENGINE_TEST_UNSET", raising=False)
+    names = ["V1ENGINE_TEST_SET", "V1ENGINE_TEST_UNSET"]
+    defaults = {"V1ENGINE_TEST_SET": "default", "V1ENGINE_TEST_UNSET": "default"}
+    child = ChildProcess(
+        _env_child,
+        (names,),
+        name="env-child",
+        label="the child",
+        daemon=True,
+        env_defaults=defaults,
+    )
+    try:
+        assert child.wait_until_ready(scaled(60)) == ["mine", "default"]
+    finally:
+        child.stop()
+    assert os.environ["V1ENGINE_TEST_SET"] == "mine"
+    assert "V1ENGINE_TEST_UNSET" not in os.environ
 
 
 def test_failed_child_carries_its_exception_type_and_traceback():

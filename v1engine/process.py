@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
@@ -105,13 +105,24 @@ class ChildProcess:
         label: how errors name the child, e.g. "worker rank 1", "the engine core".
         daemon: True lets multiprocessing end the child when the parent exits normally; a
             child that starts children of its own (the engine core) must not be a daemon.
+        env_defaults: environment variables the child starts with unless this process's
+            environment sets them (a user's own setting wins). They must be in place before
+            the child's first import, which may be the parent's `__main__`, so they are set
+            around the spawn and restored at once; this process's environment is unchanged.
 
     Raises:
         whatever `Process.start()` raises (e.g. unpicklable args); nothing is left running.
     """
 
     def __init__(
-        self, target: Callable[..., None], args: tuple, *, name: str, label: str, daemon: bool
+        self,
+        target: Callable[..., None],
+        args: tuple,
+        *,
+        name: str,
+        label: str,
+        daemon: bool,
+        env_defaults: dict[str, str] | None = None,
     ) -> None:
         self.label = label
         self._closed = False
@@ -119,7 +130,8 @@ class ChildProcess:
         self._ready_conn, writer = context.Pipe(duplex=False)
         self.proc = context.Process(target=target, args=(*args, writer), name=name, daemon=daemon)
         try:
-            self.proc.start()
+            with _environment_defaults(env_defaults or {}):
+                self.proc.start()
         except BaseException:
             self._ready_conn.close()
             raise
@@ -164,6 +176,23 @@ class ChildProcess:
             self._closed = True
             self._ready_conn.close()
             self.proc.close()
+
+
+@contextlib.contextmanager
+def _environment_defaults(defaults: dict[str, str]) -> Iterator[None]:
+    # A spawned child inherits os.environ as it is when it starts.
+    added = [name for name in defaults if name not in os.environ]
+    with _ENVIRON_LOCK:
+        for name in added:
+            os.environ[name] = defaults[name]
+        try:
+            yield
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
+
+
+_ENVIRON_LOCK = threading.Lock()
 
 
 def wait_until_ready(children: Sequence[ChildProcess], timeout_s: float) -> list[Any]:

@@ -26,6 +26,7 @@ from tests.worker.worker_utils import (
     run_kv_cache_handshake,
     run_requests,
     touch_kv_caches,
+    worker_spin_count,
     worker_threads,
 )
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
@@ -146,6 +147,9 @@ def test_cpu_workers_get_disjoint_cores_and_a_fair_memory_share(hybrid_tp2):
         assert num_threads == max(1, num_cpus // 2)
     if num_cpus >= 2:
         assert not set(threads[0][1]) & set(threads[1][1])
+    # OpenMP barriers spin briefly, then sleep (worker_proc.worker_env_defaults says why).
+    expected = os.environ.get("GOMP_SPINCOUNT", None if "OMP_WAIT_POLICY" in os.environ else "1000")
+    assert executor.collective_rpc(worker_spin_count) == [expected, expected]
     for profile in executor.collective_rpc(memory_profile):
         assert profile.total_bytes == host_memory_bytes()
         assert profile.budget_bytes == int(profile.total_bytes * 0.9 / 2)

@@ -130,6 +130,10 @@ def worker_threads(worker: Any) -> tuple[int, list[int], str]:
     return torch.get_num_threads(), sorted(os.sched_getaffinity(0)), str(worker.device)
 
 
+def worker_spin_count(worker: Any) -> str | None:
+    return os.environ.get("GOMP_SPINCOUNT")
+
+
 # -- driving with the real scheduler -------------------------------------------------------------
 # The scheduler's own limits; make_engine_config gives the workers max_model_len=64 and
 # max_num_seqs=8, which these must not exceed.

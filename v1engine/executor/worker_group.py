@@ -22,7 +22,12 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from v1engine.executor.message_queue import Handle, MessageQueue, make_ipc_dir
-from v1engine.executor.worker_proc import SHUTDOWN, WorkerProcArgs, worker_main
+from v1engine.executor.worker_proc import (
+    SHUTDOWN,
+    WorkerProcArgs,
+    worker_env_defaults,
+    worker_main,
+)
 from v1engine.process import (
     HANDSHAKE_TIMEOUT_S,
     WORKER_STARTUP_TIMEOUT_S,
@@ -178,6 +183,7 @@ class WorkerGroup(WorkerGroupBase):
                     name=f"V1EngineWorker-{rank}",
                     label=f"worker rank {rank}",
                     daemon=True,
+                    env_defaults=worker_env_defaults(),
                 )
             )
         # A rank that fails or dies ends the wait at once with its traceback or exit code.

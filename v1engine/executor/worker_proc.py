@@ -10,6 +10,7 @@ whole call contract.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,6 +23,23 @@ from v1engine.logger import set_process_rank
 from v1engine.process import HANDSHAKE_TIMEOUT_S, report_startup, watch_parent
 
 SHUTDOWN = "__v1engine_worker_shutdown__"
+
+# The worker process's OpenMP waits. Every parallel op (matmul, attention, norm) ends in a barrier,
+# where libgomp (the OpenMP of PyTorch's Linux wheels) spins up to 300,000 times, about 3 ms,
+# before it sleeps. On cores another process also wants, the peer a thread waits for is often
+# descheduled, so each of a step's hundreds of barriers burnt a time slice: batch-1 decode went
+# from 45 to 1,350 ms per step with one busy process per core. Spinning 1,000 times (about 10 us)
+# keeps the idle-machine step time (48 vs 45 ms at batch 1, 216 vs 208-233 ms at batch 64) and
+# brings the loaded one to 68 ms and 415 ms (`scripts/profile_steps.py`, quiet and `--busy`). A
+# user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT would override the policy).
+_WORKER_SPIN_COUNT = "1000"
+
+
+def worker_env_defaults() -> dict[str, str]:
+    """The environment a worker process starts with, unless this one already sets it."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": _WORKER_SPIN_COUNT}
 
 
 @dataclass(frozen=True)
