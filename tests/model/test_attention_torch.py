@@ -165,3 +165,37 @@ def test_blocks_outside_the_window_are_never_read():
     metadata = dataclasses.replace(metadata, block_table=garbage)
     out = torch_paged_attention(query, key_cache, value_cache, metadata, 0.3, window)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("padding", [0, 2])
+def test_decode_only_step_through_the_backend(padding):
+    """Decodes only, longest first: with no padding the plan's one group covers every row in
+    order (the output is the group's, no scatter); with padding rows the backend writes only the
+    real tokens."""
+    torch.manual_seed(0)
+    steps = [(0, 12, 1), (1, 7, 1), (2, 3, 1)]
+    allocator = BlockAllocator(NUM_BLOCKS, 4, seed=1)
+    shape = (NUM_BLOCKS, 4, 2, HEAD_SIZE)
+    caches = (torch.zeros(shape), torch.zeros(shape))
+    full = {
+        r: (torch.randn(c + n, 2, HEAD_SIZE), torch.randn(c + n, 2, HEAD_SIZE)) for r, c, n in steps
+    }
+    for r, c, _ in steps:
+        prefix = build_metadata(allocator, [(r, 0, c)])
+        write_kv_cache(full[r][0][:c], full[r][1][:c], *caches, prefix.slot_mapping)
+    common = build_metadata(allocator, steps, num_padding_tokens=padding)
+    backend = TorchAttentionBackend()
+    metadata = backend.build_metadata(common, attention_spec(caches[0]))
+    assert metadata.plan.decode_rows_are_all_rows(common.num_tokens) == (padding == 0)
+    garbage = torch.full((padding, 2, HEAD_SIZE), 7.0)
+    new_k = torch.cat([full[r][0][c:] for r, c, _ in steps] + [garbage])
+    new_v = torch.cat([full[r][1][c:] for r, c, _ in steps] + [garbage])
+    before = caches[0].clone()
+    backend.write_kv_cache(new_k, new_v, caches, metadata)
+    assert int((caches[0] != before).any(dim=(2, 3)).sum()) == len(steps)  # padding not written
+    query = torch.randn(common.num_tokens, 4, HEAD_SIZE)
+    out = backend.forward(query, caches, metadata, HEAD_SIZE**-0.5, None)
+    for row, (r, _, _) in enumerate(steps):
+        expected = dense_attention(query[row : row + 1], *full[r], HEAD_SIZE**-0.5, None)
+        torch.testing.assert_close(out[row : row + 1], expected, atol=1e-5, rtol=1e-5)
+    assert out[len(steps) :].abs().sum() == 0

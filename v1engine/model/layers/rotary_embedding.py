@@ -77,13 +77,21 @@ class RotaryEmbedding(nn.Module):
         params = get_rope_parameters(hf_config)
         return cls(head_size, hf_config.max_position_embeddings, params)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        """The step's rows of the tables, gathered once and shared by every layer:
+        positions [num_tokens] -> cos, sin [num_tokens, 1, head_size]."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, cos_sin: CosSin, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; query/key [num_tokens, num_heads, head_size] -> rotated."""
-        # [num_tokens, 1, head_size]
-        cos = self.cos_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1)
+        """query/key [num_tokens, num_heads, head_size] -> rotated, with `cos_sin(positions)`."""
+        cos, sin = cos_sin
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         return query, key
+
+
+CosSin = tuple[torch.Tensor, torch.Tensor]

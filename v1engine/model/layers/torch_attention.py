@@ -25,8 +25,19 @@ from v1engine.utils import cdiv
 
 @dataclass(frozen=True)
 class TorchAttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    # Where the step's K/V go, resolved once per step rather than in every layer:
+    slots: torch.Tensor  # [num_written] int64, the slots of the tokens that are written
+    written_rows: torch.Tensor | None  # [num_written] their rows; None: every row, in order
     plan: StepPlan
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, plan: StepPlan) -> TorchAttentionMetadata:
+        """`slot_mapping` [num_tokens] int64, -1 for padding (not written)."""
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            return cls(slot_mapping, None, plan)
+        rows = valid.nonzero().flatten()
+        return cls(slot_mapping.index_select(0, rows), rows, plan)
 
 
 class TorchAttentionBackend:
@@ -37,7 +48,8 @@ class TorchAttentionBackend:
     def build_metadata(
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
     ) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(common.slot_mapping, build_step_plan(common, kv_cache_spec))
+        plan = build_step_plan(common, kv_cache_spec)
+        return TorchAttentionMetadata.build(common.slot_mapping, plan)
 
     def write_kv_cache(
         self,
@@ -46,7 +58,10 @@ class TorchAttentionBackend:
         kv_cache: KVCache,
         metadata: TorchAttentionMetadata,
     ) -> None:
-        write_kv_cache(key, value, *kv_cache, metadata.slot_mapping)
+        rows = metadata.written_rows
+        if rows is not None:
+            key, value = key.index_select(0, rows), value.index_select(0, rows)
+        store_kv(key, value, *kv_cache, metadata.slots)
 
     def forward(
         self,
@@ -75,13 +90,29 @@ def write_kv_cache(
     slot_mapping: [num_tokens] int64
     """
     num_tokens = slot_mapping.shape[0]
-    valid = slot_mapping[:num_tokens] >= 0
-    slots = slot_mapping[valid]
+    rows = (slot_mapping >= 0).nonzero().flatten()
+    store_kv(
+        key[:num_tokens].index_select(0, rows),
+        value[:num_tokens].index_select(0, rows),
+        key_cache,
+        value_cache,
+        slot_mapping.index_select(0, rows),
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """`write_kv_cache` for rows that are all written: key/value [n, ...] go to `slots` [n]."""
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
     flat_key_cache = key_cache.view(-1, key_cache.shape[-2], key_cache.shape[-1])
     flat_value_cache = value_cache.view(-1, value_cache.shape[-2], value_cache.shape[-1])
-    flat_key_cache.index_copy_(0, slots, key[:num_tokens][valid].to(key_cache.dtype))
-    flat_value_cache.index_copy_(0, slots, value[:num_tokens][valid].to(value_cache.dtype))
+    flat_key_cache.index_copy_(0, slots, key.to(key_cache.dtype))
+    flat_value_cache.index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def paged_attention(
@@ -97,6 +128,10 @@ def paged_attention(
     query: [num_tokens, num_heads, head_size]; returns out of the same shape. Rows past
     `query_start_loc[-1]` (padding) come back as zeros.
     """
+    if plan.decode_rows_are_all_rows(query.shape[0]):
+        # Only decodes, one group, every row in order (batch-1 decode, small batches): no
+        # scatter into a zeroed output.
+        return _decode_group(query, key_cache, value_cache, plan.decode_groups[0], scale)
     out = torch.zeros_like(query)
     for prefill in plan.prefills:
         out[prefill.start : prefill.end] = _prefill_attention(
@@ -196,13 +231,16 @@ def _decode_group(
 ) -> torch.Tensor:
     """The group's query rows ([n, num_heads, head_size]) over their gathered blocks."""
     n = group.rows.shape[0]
-    _, num_heads, head_size = query.shape
+    num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     # [n, num_kv_heads, num_blocks * block_size, head_size]
     gathered_shape = (n, group.num_blocks * block_size, num_kv_heads, head_size)
     key = key_cache.index_select(0, group.blocks).view(gathered_shape).transpose(1, 2)
     value = value_cache.index_select(0, group.blocks).view(gathered_shape).transpose(1, 2)
-    q = query.index_select(0, group.rows).view(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    if group.rows_in_order and n == num_tokens:
+        q = query.view(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    else:
+        q = query.index_select(0, group.rows).view(n, num_kv_heads, num_heads // num_kv_heads, -1)
     o = F.scaled_dot_product_attention(
         q, key.to(q.dtype), value.to(q.dtype), group.mask, scale=scale
     )
@@ -246,6 +284,7 @@ class DecodeGroup:
     blocks: torch.Tensor  # [n * num_blocks] int64, row-major; unused entries point at block 0
     mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool
     num_blocks: int
+    rows_in_order: bool  # rows == 0, 1, ..., n - 1
 
 
 @dataclass(frozen=True)
@@ -253,6 +292,13 @@ class StepPlan:
     prefills: list[PrefillPlan]
     decode_groups: list[DecodeGroup]
     sliding_window: int | None  # the window its masks and skipped blocks were built for
+
+    def decode_rows_are_all_rows(self, num_tokens: int) -> bool:
+        """One decode group and no prefill, whose rows are 0 .. num_tokens - 1 in order."""
+        if self.prefills or len(self.decode_groups) != 1:
+            return False
+        group = self.decode_groups[0]
+        return group.rows_in_order and group.rows.shape[0] == num_tokens
 
 
 def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
@@ -345,8 +391,10 @@ def _plan_decode_group(
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
-    rows = torch.tensor([query_start_loc[r] for r in members], device=device)
-    return DecodeGroup(rows, blocks, mask[:, None, None, :], num_blocks)
+    row_list = [query_start_loc[r] for r in members]
+    rows = torch.tensor(row_list, device=device)
+    in_order = row_list == list(range(len(row_list)))
+    return DecodeGroup(rows, blocks, mask[:, None, None, :], num_blocks, in_order)
 
 
 def visible(

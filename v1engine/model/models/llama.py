@@ -25,7 +25,7 @@ from v1engine.model.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from v1engine.model.layers.rotary_embedding import RotaryEmbedding
+from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
 from v1engine.model.weight_utils import WeightSource, default_weight_loader
 
 # (merged parameter, checkpoint projection, shard id) for projections fused into one matmul.
@@ -123,13 +123,13 @@ class LlamaAttention(nn.Module):
         """Hook before RoPE; Llama has none (Qwen3 normalizes each head)."""
         return q, k
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        q, k = self.rotary_emb(cos_sin, *self.qk_norm(q, k))
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
@@ -151,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, cos_sin: CosSin, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: (hidden, residual) -> norm(sum), sum.
         if residual is None:
@@ -159,7 +159,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(cos_sin, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -168,19 +168,20 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # One cos/sin table shared by all layers.
-        rotary_emb = RotaryEmbedding.from_config(config, get_head_size(config))
+        # One cos/sin table shared by all layers; each step gathers its rows once.
+        self.rotary_emb = RotaryEmbedding.from_config(config, get_head_size(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls, rotary_emb, f"model.layers.{i}")
+            LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb, f"model.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
