@@ -60,7 +60,11 @@ def start_json_script(module: str, mode: str) -> tuple[subprocess.Popen, dict]:
     """Runs `python -m module mode` from the repository root and returns it with the JSON object
     it prints on its first line (what it started: pids, paths)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, mode], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", module, mode],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=mode == "group",  # its own process group, for a signal to all of it
     )
     line = proc.stdout.readline()
     proc.stdout.close()

@@ -1,5 +1,6 @@
 """Run as a subprocess by test_parent_death.py: start an executor, report what it created on
-stdout as one JSON line, then either wait to be killed or exit without calling shutdown().
+stdout as one JSON line, then either wait to be killed ("wait"; "group": the same, in a process
+group of its own with its workers) or exit without calling shutdown() ("exit").
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def main(mode: str) -> None:
     ipc_dir = executor._group.ipc_dir
     shm = sorted(n for n in os.listdir("/dev/shm") if n.startswith(os.path.basename(ipc_dir)))
     print(json.dumps({"pids": pids, "ipc_dir": ipc_dir, "shm": shm}), flush=True)
-    if mode == "wait":
+    if mode in ("wait", "group"):
         executor.collective_rpc("sleep", args=(60.0,), non_block=True)  # killed mid-call
         time.sleep(120)
     # mode == "exit": leave without shutdown(); the finalizer must clean up.

@@ -1,10 +1,12 @@
-"""The engine process dies (SIGKILL) or exits without shutdown(): workers must follow within
-about 2 s and take the shared memory and ipc files with them.
+"""The engine process dies (SIGKILL, or SIGTERM with its whole process group) or exits without
+shutdown(): workers must follow within about 2 s and take the shared memory and ipc files with
+them.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from tests.process_utils import start_json_script, wait_gone, wait_no_leftovers
@@ -35,3 +37,13 @@ def test_exit_without_shutdown_stops_workers_and_cleans_up():
     proc, info = start_json_script("tests.executor.parent_script", "exit")
     assert proc.wait(timeout=scaled(60)) == 0
     _wait_gone(proc, info, limit_s=5.0)
+
+
+def test_sigterm_to_the_whole_process_group_leaves_nothing_behind():
+    """`kill -- -PGID` (a supervisor, a shell's job control): the engine process has no SIGTERM
+    handler and dies at once; its workers, which get the signal too, remove its queues."""
+    proc, info = start_json_script("tests.executor.parent_script", "group")
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=scaled(60))
+    _wait_gone(proc, info, limit_s=scaled(10.0))

@@ -11,6 +11,7 @@ whole call contract.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,9 +21,16 @@ from v1engine.executor.errors import RemoteFailure
 from v1engine.executor.message_queue import Handle, MessageQueue, QueueClosedError
 from v1engine.executor.rpc_call import RpcCall
 from v1engine.logger import set_process_rank
-from v1engine.process import HANDSHAKE_TIMEOUT_S, report_startup, watch_parent
+from v1engine.process import (
+    HANDSHAKE_TIMEOUT_S,
+    install_sigterm_handler,
+    report_startup,
+    watch_parent,
+)
 
 SHUTDOWN = "__v1engine_worker_shutdown__"
+# How long a worker ending on SIGTERM waits to see whether its engine process dies too.
+ORPHAN_CLEAN_UP_GRACE_S = 1.0
 
 # The worker process's OpenMP waits. Every parallel op (matmul, attention, norm) ends in a barrier,
 # where libgomp (the OpenMP of PyTorch's Linux wheels) spins up to 300,000 times, about 3 ms,
@@ -65,13 +73,24 @@ class StartedWorker:
 def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
     """Entry point of a spawned worker process; READY carries its response queue's handle."""
     set_process_rank(args.rank)
+    install_sigterm_handler()
+    # Ctrl-C reaches the whole process group; the engine process decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The engine process died (even by SIGKILL): remove the shared memory and socket files it
     # can no longer remove itself.
-    watch_parent(lambda: MessageQueue.remove_all(args.ipc_dir))
+    parent_watch = watch_parent(lambda: MessageQueue.remove_all(args.ipc_dir))
     started = report_startup(
         ready_conn, lambda: start_worker(args), lambda s: s.response_mq.export_handle()
     )
-    serve_until_shutdown(started, args.rank)
+    try:
+        serve_until_shutdown(started, args.rank)
+    except SystemExit:
+        # SIGTERM. Sent to the whole process group (`kill -- -PGID`, a supervisor), it also
+        # ended an engine process that had no handler, leaving its queues behind: give the
+        # parent watch a moment to see that death and remove them before this process ends.
+        if parent_watch is not None:
+            parent_watch.join(ORPHAN_CLEAN_UP_GRACE_S)
+        raise
 
 
 def start_worker(args: WorkerProcArgs) -> StartedWorker:
