@@ -20,11 +20,11 @@ Request = tuple[list[int], int]  # (prompt token ids, output tokens)
 
 
 class V1Engine:
-    def __init__(self, model: str, threads: int, max_model_len: int) -> None:
+    def __init__(self, model: str, threads: int, max_model_len: int, dtype: str) -> None:
         from v1engine import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(model, dtype="float32", max_model_len=max_model_len)
+        self.llm = LLM(model, dtype=dtype, max_model_len=max_model_len)
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
@@ -37,11 +37,11 @@ class V1Engine:
 
 
 class VLLM:
-    def __init__(self, model: str, threads: int, max_model_len: int) -> None:
+    def __init__(self, model: str, threads: int, max_model_len: int, dtype: str) -> None:
         from vllm import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(model, dtype="float32", max_model_len=max_model_len, seed=0)
+        self.llm = LLM(model, dtype=dtype, max_model_len=max_model_len, seed=0)
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
@@ -54,9 +54,10 @@ class VLLM:
 
 
 class LlamaCpp:
-    """llama-cpp-python's `Llama`, one request at a time (its Python API has no batching)."""
+    """llama-cpp-python's `Llama`, one request at a time (its Python API has no batching); the
+    dtype is the GGUF file's."""
 
-    def __init__(self, model: str, threads: int, max_model_len: int) -> None:
+    def __init__(self, model: str, threads: int, max_model_len: int, dtype: str) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(
@@ -103,11 +104,12 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     with open(args.requests) as f:
         workloads = json.load(f)
     start = time.perf_counter()
-    system = SYSTEMS[args.system](args.model, args.threads, args.max_model_len)
+    system = SYSTEMS[args.system](args.model, args.threads, args.max_model_len, args.dtype)
     result: dict[str, Any] = {"load_s": time.perf_counter() - start}
     try:
         system.generate([(list(range(100, 116)), 8)])  # warm-up, sharing no prefix

@@ -73,10 +73,14 @@ def read_bandwidth_gb_s() -> float:
     return data.numel() * 4 / best / 1e9
 
 
-def run_system(name: str, python: str, model: str, workloads_path: str, threads: int) -> dict:
+def run_system(
+    name: str, python: str, model: str, workloads_path: str, args: argparse.Namespace
+) -> dict:
+    threads = len(os.sched_getaffinity(0))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, os.path.join(_HERE, "_peer_runner.py"), name, "--model", model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
+        cmd += ["--dtype", args.dtype]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -108,6 +112,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-cpp-python", default=None, help="interpreter of a llama-cpp venv")
     p.add_argument("--gguf-f32", default=None, help="F32 GGUF of the checkpoint, for llama.cpp")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="v1engine's and vLLM's compute dtype (llama.cpp: the GGUF file's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -120,7 +130,6 @@ def main() -> None:
     checkpoint = prepare_checkpoint(default_model_path())
     print(f"checkpoint: {checkpoint}")
     vocab_size = load_hf_config(checkpoint).vocab_size
-    threads = len(os.sched_getaffinity(0))
     systems = {"v1engine": (sys.executable, checkpoint)}
     if args.vllm_python:
         systems["vllm"] = (args.vllm_python, checkpoint)
@@ -136,7 +145,7 @@ def main() -> None:
         for round_index in range(args.rounds):
             for name in order if round_index % 2 == 0 else order[::-1]:
                 python, model = systems[name]
-                runs[name].append(run_system(name, python, model, workloads.name, threads))
+                runs[name].append(run_system(name, python, model, workloads.name, args))
                 print(f"round {round_index + 1}: {name} done", flush=True)
     reference = runs["v1engine"][0]["decode1"]["outputs"][0]
     results = {
@@ -150,6 +159,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "args": vars(args),
                     "machine": cpu_machine_info(),
                     "weights_bytes": weights_bytes,
                     "read_bandwidth_gb_s": bandwidth,
