@@ -27,17 +27,8 @@ from v1engine.utils import cdiv
 class TorchAttentionMetadata:
     # Where the step's K/V go, resolved once per step rather than in every layer:
     slots: torch.Tensor  # [num_written] int64, the slots of the tokens that are written
-    written_rows: torch.Tensor | None  # [num_written] their rows; None: every row, in order
+    written_rows: torch.Tensor | None  # [num_written] their rows; None: rows 0.. in order
     plan: StepPlan
-
-    @classmethod
-    def build(cls, slot_mapping: torch.Tensor, plan: StepPlan) -> TorchAttentionMetadata:
-        """`slot_mapping` [num_tokens] int64, -1 for padding (not written)."""
-        valid = slot_mapping >= 0
-        if bool(valid.all()):
-            return cls(slot_mapping, None, plan)
-        rows = valid.nonzero().flatten()
-        return cls(slot_mapping.index_select(0, rows), rows, plan)
 
 
 class TorchAttentionBackend:
@@ -49,7 +40,7 @@ class TorchAttentionBackend:
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
     ) -> TorchAttentionMetadata:
         plan = build_step_plan(common, kv_cache_spec)
-        return TorchAttentionMetadata.build(common.slot_mapping, plan)
+        return TorchAttentionMetadata(*written_slots(common.slot_mapping), plan)
 
     def write_kv_cache(
         self,
@@ -58,10 +49,7 @@ class TorchAttentionBackend:
         kv_cache: KVCache,
         metadata: TorchAttentionMetadata,
     ) -> None:
-        rows = metadata.written_rows
-        if rows is not None:
-            key, value = key.index_select(0, rows), value.index_select(0, rows)
-        store_kv(key, value, *kv_cache, metadata.slots)
+        _store_kv(key, value, *kv_cache, metadata.slots, metadata.written_rows)
 
     def forward(
         self,
@@ -74,6 +62,15 @@ class TorchAttentionBackend:
         # The plan was built for the group's spec, which the worker derived from its layers.
         assert sliding_window == metadata.plan.sliding_window, (sliding_window, metadata.plan)
         return paged_attention(query, *kv_cache, metadata.plan, scale)
+
+
+def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots, rows) of the tokens whose slot is not -1 (padding); rows None when all are."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    rows = valid.nonzero().flatten()
+    return slot_mapping.index_select(0, rows), rows
 
 
 def write_kv_cache(
@@ -89,25 +86,21 @@ def write_kv_cache(
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size] (written in place)
     slot_mapping: [num_tokens] int64
     """
-    num_tokens = slot_mapping.shape[0]
-    rows = (slot_mapping >= 0).nonzero().flatten()
-    store_kv(
-        key[:num_tokens].index_select(0, rows),
-        value[:num_tokens].index_select(0, rows),
-        key_cache,
-        value_cache,
-        slot_mapping.index_select(0, rows),
-    )
+    _store_kv(key, value, key_cache, value_cache, *written_slots(slot_mapping))
 
 
-def store_kv(
+def _store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    rows: torch.Tensor | None,
 ) -> None:
-    """`write_kv_cache` for rows that are all written: key/value [n, ...] go to `slots` [n]."""
+    if rows is None:
+        key, value = key[: slots.shape[0]], value[: slots.shape[0]]
+    else:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
     # view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
     flat_key_cache = key_cache.view(-1, key_cache.shape[-2], key_cache.shape[-1])
     flat_value_cache = value_cache.view(-1, value_cache.shape[-2], value_cache.shape[-1])
@@ -129,8 +122,7 @@ def paged_attention(
     `query_start_loc[-1]` (padding) come back as zeros.
     """
     if plan.decode_rows_are_all_rows(query.shape[0]):
-        # Only decodes, one group, every row in order (batch-1 decode, small batches): no
-        # scatter into a zeroed output.
+        # Only decodes, in one group, in row order (batch 1, small batches): no scatter.
         return _decode_group(query, key_cache, value_cache, plan.decode_groups[0], scale)
     out = torch.zeros_like(query)
     for prefill in plan.prefills:
@@ -237,10 +229,8 @@ def _decode_group(
     gathered_shape = (n, group.num_blocks * block_size, num_kv_heads, head_size)
     key = key_cache.index_select(0, group.blocks).view(gathered_shape).transpose(1, 2)
     value = value_cache.index_select(0, group.blocks).view(gathered_shape).transpose(1, 2)
-    if group.rows_in_order and n == num_tokens:
-        q = query.view(n, num_kv_heads, num_heads // num_kv_heads, -1)
-    else:
-        q = query.index_select(0, group.rows).view(n, num_kv_heads, num_heads // num_kv_heads, -1)
+    q = query if group.rows_in_order and n == num_tokens else query.index_select(0, group.rows)
+    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_size)
     o = F.scaled_dot_product_attention(
         q, key.to(q.dtype), value.to(q.dtype), group.mask, scale=scale
     )
@@ -295,10 +285,10 @@ class StepPlan:
 
     def decode_rows_are_all_rows(self, num_tokens: int) -> bool:
         """One decode group and no prefill, whose rows are 0 .. num_tokens - 1 in order."""
-        if self.prefills or len(self.decode_groups) != 1:
+        groups = self.decode_groups
+        if self.prefills or len(groups) != 1:
             return False
-        group = self.decode_groups[0]
-        return group.rows_in_order and group.rows.shape[0] == num_tokens
+        return groups[0].rows_in_order and groups[0].rows.shape[0] == num_tokens
 
 
 def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
