@@ -35,11 +35,12 @@ ORPHAN_CLEAN_UP_GRACE_S = 1.0
 # The worker process's OpenMP waits. Every parallel op (matmul, attention, norm) ends in a barrier,
 # where libgomp (the OpenMP of PyTorch's Linux wheels) spins up to 300,000 times, about 3 ms,
 # before it sleeps. On cores another process also wants, the peer a thread waits for is often
-# descheduled, so each of a step's hundreds of barriers burnt a time slice: batch-1 decode went
-# from 45 to 1,350 ms per step with one busy process per core. Spinning 1,000 times (about 10 us)
-# keeps the idle-machine step time (48 vs 45 ms at batch 1, 216 vs 208-233 ms at batch 64) and
-# brings the loaded one to 68 ms and 415 ms (`scripts/profile_steps.py`, quiet and `--busy`). A
-# user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT would override the policy).
+# descheduled, and each of a step's hundreds of barriers burns a time slice: with one busy process
+# per core, batch-1 decode steps took 4x (up to 30x while a compiler also ran) their idle time.
+# Spinning 1,000 times (about 10 us) brings that to 2-2.5x at batch 1 and 64, and costs 5-10% of
+# the idle-machine step time (measured with `scripts/profile_steps.py --busy`). A user's own
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT=300000 restores libgomp's default, for
+# a machine of one's own).
 _WORKER_SPIN_COUNT = "1000"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v1engine.model.weight_utils import default_weight_loader
@@ -17,10 +16,6 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One op instead of seven, bit-identical to the lines below in float32 (not in
-            # bfloat16, where it scales before the cast back).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Statistics in float32 whatever the model dtype, cast back before the scale (as HF does).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
