@@ -15,11 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from v1engine.utils import cdiv
+
+if TYPE_CHECKING:
+    import torch
 
 SpecT = TypeVar("SpecT", bound="KVCacheSpec")
 
@@ -126,6 +127,10 @@ class AttentionSpec(KVCacheSpec):
         _require_int("num_kv_heads", self.num_kv_heads, 1)
         _require_int("head_size", self.head_size, 1)
         _require_int("head_size_v", self.head_size_v, 0)
+        # torch is imported here, not at the top: the engine core imports this module before it
+        # starts its workers, and they should not wait for its second of imports.
+        import torch
+
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(
                 f"dtype must be a torch.dtype such as torch.float16, got {self.dtype!r}"

@@ -25,7 +25,7 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
 def make_llm(checkpoint: str, **kwargs) -> LLM:
     args = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22)
     args.update(kwargs)
-    return LLM(checkpoint, skip_tokenizer_init=True, **args)
+    return LLM(checkpoint, **{"skip_tokenizer_init": True, **args})
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -139,6 +139,13 @@ def test_a_bad_prompt_is_refused_under_the_callers_request_id(llm_tp1):
     assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
 
 
+def test_a_checkpoint_without_tokenizer_files_fails_with_the_fix_and_stops_its_engine(checkpoint):
+    # The tokenizer loads while the engine starts: its error comes after the engine is up, which
+    # must then be shut down again (the leak check of every test sees its workers and queues).
+    with pytest.raises(ValueError, match="(?s)cannot load a tokenizer.*skip_tokenizer_init=True"):
+        make_llm(checkpoint, skip_tokenizer_init=False)
+
+
 def test_invalid_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)

@@ -62,6 +62,23 @@ def test_local_function_is_rejected(shared_executor):
         shared_executor.collective_rpc(lambda worker: 1)
 
 
+def test_function_the_workers_cannot_import_fails_the_call_not_the_workers(
+    shared_executor, tmp_path, monkeypatch
+):
+    # Importable here, not in the workers (started before this directory joined sys.path):
+    # like a function defined under `if __name__ == "__main__":` of the user's script.
+    (tmp_path / "only_in_parent.py").write_text("def probe(worker):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_in_parent
+
+    with pytest.raises(WorkerError) as info:
+        shared_executor.collective_rpc(only_in_parent.probe)
+    message = str(info.value)
+    assert "only_in_parent.probe" in message and "cannot be imported in this process" in message
+    assert "rank 0" in message and "rank 1" in message
+    assert shared_executor.collective_rpc("echo", args=(3,)) == [3, 3]
+
+
 @pytest.mark.parametrize("method", ["no_such_method", "_private_helper", "rank"])
 def test_unknown_method_is_rejected_before_broadcast(shared_executor, method):
     with pytest.raises(ValueError, match="unknown RPC method"):

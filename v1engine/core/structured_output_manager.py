@@ -23,10 +23,9 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xgrammar as xgr
 
 from v1engine.config import ModelConfig
 from v1engine.logger import init_logger
@@ -35,8 +34,12 @@ from v1engine.structured_outputs.backend import (
     DEFAULT_COMPILE_TIMEOUT_S,
     GrammarBackend,
     compile_timeout_message,
+    import_xgrammar,
 )
 from v1engine.tokenizer import load_tokenizer as load_tokenizer_from
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = init_logger(__name__)
 
@@ -117,7 +120,7 @@ class StructuredOutputManager:
             params = request.sampling_params.structured_outputs
             raise ValueError(compile_timeout_message(params, self.compile_timeout_s))
         # A failed compile re-raises its ValueError here.
-        so_request.matcher = xgr.GrammarMatcher(so_request.future.result())
+        so_request.matcher = import_xgrammar().GrammarMatcher(so_request.future.result())
         return True
 
     def wait_for_grammars(self, waiting: Iterable[Request], timeout_s: float) -> None:
@@ -134,7 +137,7 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
         """[len(requests), ceil(vocab_size / 32)] int32: row i's bit t set iff request i may
         sample token t next (xgrammar's packing: token t is bit t % 32 of word t // 32)."""
-        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        bitmask = import_xgrammar().allocate_token_bitmask(len(requests), self.vocab_size)
         for row, request in enumerate(requests):
             request.structured_output_request.matcher.fill_next_token_bitmask(bitmask, row)
         return bitmask.numpy()

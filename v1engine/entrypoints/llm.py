@@ -16,7 +16,7 @@ from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
-from v1engine.tokenizer import load_tokenizer
+from v1engine.tokenizer import BackgroundTokenizerLoad
 
 if TYPE_CHECKING:
     from v1engine.core.engine_core import EngineCore
@@ -39,10 +39,15 @@ class LLM:
 
             model = default_model_path()
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(self.config.model_config)
-        self.client = EngineCoreClient.make_client(
-            self.config, multiprocess=False, asyncio_mode=False
-        )
+        with BackgroundTokenizerLoad(self.config.model_config, skip_tokenizer_init) as loading:
+            self.client = EngineCoreClient.make_client(
+                self.config, multiprocess=False, asyncio_mode=False
+            )
+            try:
+                self.tokenizer = loading.result()
+            except BaseException:
+                self.client.shutdown()
+                raise
         self.output_processor = OutputProcessor(self.tokenizer)
         self.processor = Processor(
             self.config, self.tokenizer, self.output_processor, self.client.info

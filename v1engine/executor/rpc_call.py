@@ -15,8 +15,10 @@ Wire form (`to_wire()` / `from_wire()`, for the client -> engine-core socket), m
     {"method": str, "is_function": bool, "args": list, "kwargs": dict[str, Any],
      "timeout": float | None, "unique_reply_rank": int | None}
 where a function's "method" is "module:qualname": code never crosses the socket. Between the
-executor and its workers the RpcCall object itself travels (pickled as its five fields, a
-function by reference).
+executor and its workers the RpcCall object itself travels, pickled as its five fields with a
+function as its "module:qualname" path, imported again on unpickling: a function the workers
+cannot import (say one defined under `if __name__ == "__main__":`) fails that call on every
+rank with an error naming it, instead of making a message no worker can read.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class RpcCall:
         """The method as errors and logs name it: "execute_model" or "module.qualname"."""
         if isinstance(self.method, str):
             return self.method
+        if isinstance(self.method, _FunctionPath):
+            return self.method.path.replace(":", ".")
         return f"{self.method.__module__}.{self.method.__qualname__}"
 
     def check(self, worker_cls: type, world_size: int) -> None:
@@ -97,7 +101,13 @@ class RpcCall:
             raise ValueError(f"unique_reply_rank must be in [0, {world_size}) or None, got {rank}")
 
     def run_on(self, worker: Any) -> Any:
-        """Runs the call on this process's worker and returns its result."""
+        """Runs the call on this process's worker and returns its result.
+
+        Raises:
+            ValueError: the call's function cannot be imported in this process.
+        """
+        if isinstance(self.method, _FunctionPath):  # not importable here: raises why
+            _import_function(self.method.path)
         if isinstance(self.method, str):
             return getattr(worker, self.method)(*self.args, **self.kwargs)
         return self.method(worker, *self.args, **self.kwargs)
@@ -105,8 +115,11 @@ class RpcCall:
     def __reduce__(self) -> tuple:
         # The worker queue pickles one call per step: its five fields cost half of a
         # dataclass's default pickling, and the workers do not check the call a second time.
+        method = self.method
+        if not isinstance(method, (str, _FunctionPath)):
+            method = _FunctionPath(_function_path(method))
         return _unpickle, (
-            self.method,
+            method,
             self.args,
             self.kwargs,
             self.timeout,
@@ -148,14 +161,27 @@ class RpcCall:
         )
 
 
+@dataclass(frozen=True)
+class _FunctionPath:
+    """A function as a pickled call carries it: its "module:qualname", imported on use."""
+
+    path: str
+
+
 def _unpickle(
-    method: str | Callable[..., Any],
+    method: str | _FunctionPath,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     timeout: float | None,
     unique_reply_rank: int | None,
 ) -> RpcCall:
-    """A pickled RpcCall, rebuilt without running the checks it passed when it was built."""
+    """A pickled RpcCall, rebuilt without running the checks it passed when it was built (a
+    function that cannot be imported here stays a path, for `run_on` to fail with)."""
+    if isinstance(method, _FunctionPath):
+        try:
+            method = _import_function(method.path)
+        except Exception:  # whatever importing its module raised, `run_on` raises again
+            pass
     call = object.__new__(RpcCall)
     fields = call.__dict__  # frozen: assigning attributes would raise
     fields["method"] = method

@@ -19,9 +19,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 from v1engine.structured_outputs.params import StructuredOutputsParams
 
@@ -29,6 +31,15 @@ from v1engine.structured_outputs.params import StructuredOutputsParams
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Compiled grammars kept per backend (each is a few KB to a few MB).
 _MAX_CACHED_GRAMMARS = 1024
+
+
+def import_xgrammar() -> ModuleType:
+    """xgrammar, imported on first use: it imports transformers (0.6 s), which an engine core
+    that never sees a structured request should not spend before it starts its workers."""
+    import xgrammar
+
+    return xgrammar
+
 
 _compilers: dict[tuple[str, int], xgr.GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
@@ -42,8 +53,9 @@ def _shared_compiler(
     with _compilers_lock:
         compiler = _compilers.get((tokenizer_key, vocab_size))
         if compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(), vocab_size=vocab_size)
-            compiler = xgr.GrammarCompiler(info, max_threads=_num_threads())
+            xgrammar = import_xgrammar()
+            info = xgrammar.TokenizerInfo.from_huggingface(load_tokenizer(), vocab_size=vocab_size)
+            compiler = xgrammar.GrammarCompiler(info, max_threads=_num_threads())
             _compilers[(tokenizer_key, vocab_size)] = compiler
         return compiler
 

@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import hmac
 import signal
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -55,8 +53,7 @@ from v1engine.entrypoints.openai.startup import (
 )
 from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
-from v1engine.process import ENGINE_CORE_STARTUP_TIMEOUT_S
-from v1engine.tokenizer import load_tokenizer
+from v1engine.tokenizer import BackgroundTokenizerLoad
 
 logger = init_logger(__name__)
 
@@ -218,39 +215,26 @@ def run_server(args: argparse.Namespace) -> int:
     config = engine_args.create_engine_config()
     names = served_model_names(args.served_model_name, args.model, engine_args.model)
     sock = bind_socket(args.host, args.port)
-    # The tokenizer (seconds of transformers imports) loads while the engine core starts.
-    loader = ThreadPoolExecutor(1, thread_name_prefix="v1engine-tokenizer")
     try:
-        tokenizer_future = loader.submit(load_tokenizer, config.model_config)
-        # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
-        client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
-        try:
-            tokenizer = _tokenizer_result(tokenizer_future)
-            metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
-            state = build_state(
-                AsyncLLM(client, tokenizer, config, metrics),
-                tokenizer,
-                names,
-                engine_args.model,
-                limits,
-                options,
-            )
-            return asyncio.run(_serve(args, state, sock))
-        finally:
-            client.shutdown()
+        with BackgroundTokenizerLoad(config.model_config) as tokenizer_load:
+            # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
+            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
+            try:
+                tokenizer = tokenizer_load.result()
+                metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
+                state = build_state(
+                    AsyncLLM(client, tokenizer, config, metrics),
+                    tokenizer,
+                    names,
+                    engine_args.model,
+                    limits,
+                    options,
+                )
+                return asyncio.run(_serve(args, state, sock))
+            finally:
+                client.shutdown()
     finally:
-        loader.shutdown(cancel_futures=True)
         sock.close()
-
-
-def _tokenizer_result(future: Future) -> Any:
-    # A local load, which ran while the engine started: the engine's start-up bound is ample.
-    try:
-        return future.result(timeout=ENGINE_CORE_STARTUP_TIMEOUT_S)
-    except FutureTimeoutError:
-        raise RuntimeError(
-            f"the tokenizer did not load within {ENGINE_CORE_STARTUP_TIMEOUT_S:.0f} s"
-        ) from None
 
 
 async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
