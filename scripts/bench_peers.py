@@ -10,7 +10,10 @@ SmolLM2 GGUF, dequantized to float32 once by v1engine; llama.cpp reads an F32 GG
 that same checkpoint), the same token-id prompts, greedy, EOS ignored:
 - throughput: `bench_throughput.py`'s workload (64 requests, prompts 32-256, outputs 16-128,
   seed 0);
-- decode1: one request, a 128-token prompt, 256 output tokens.
+- decode1: one request, a 128-token prompt, 256 output tokens;
+- nano (with `--nano-seqs N`): nano-vllm's and mini-sglang's benchmark, N sequences (theirs:
+  256) whose prompt and output lengths are uniform in 100-1024 (seed 0); a smaller N scales it
+  down for a small machine (32 is about 18k output tokens).
 Each round starts every system once (load time reported apart) and runs both workloads; the order
 of the systems is reversed every round. Medians over rounds. The batch-1 decode tokens of every
 system are compared with v1engine's. The script also prints the bandwidth bound of batch-1 decode:
@@ -50,7 +53,7 @@ from _bench_utils import cpu_machine_info
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_workloads(vocab_size: int, seed: int) -> dict[str, list]:
+def make_workloads(vocab_size: int, seed: int, nano_seqs: int) -> dict[str, list]:
     rng = random.Random(seed)
     throughput = []
     for _ in range(64):  # the same draws as bench_throughput.py's defaults
@@ -58,7 +61,17 @@ def make_workloads(vocab_size: int, seed: int) -> dict[str, list]:
         throughput.append(([rng.randrange(100, vocab_size) for _ in range(prompt_len)], output_len))
     decode_rng = random.Random(seed + 1)
     decode1 = [([decode_rng.randrange(100, vocab_size) for _ in range(128)], 256)]
-    return {"throughput": throughput, "decode1": decode1}
+    workloads = {"throughput": throughput, "decode1": decode1}
+    if nano_seqs:
+        nano_rng = random.Random(seed + 2)
+        workloads["nano"] = [
+            (
+                [nano_rng.randrange(100, vocab_size) for _ in range(nano_rng.randint(100, 1024))],
+                nano_rng.randint(100, 1024),
+            )
+            for _ in range(nano_seqs)
+        ]
+    return workloads
 
 
 def read_bandwidth_gb_s() -> float:
@@ -80,7 +93,7 @@ def run_system(
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, os.path.join(_HERE, "_peer_runner.py"), name, "--model", model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
-        cmd += ["--dtype", args.dtype]
+        cmd += ["--dtype", args.dtype, "--max-model-len", "2048" if args.nano_seqs else "1024"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -95,7 +108,10 @@ def summarize(runs: list[dict], reference: list[int] | None) -> dict:
     same = None
     if reference is not None:
         same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
+    nano = [r["nano"]["tokens"] / r["nano"]["seconds"] for r in runs if "nano" in r]
     return {
+        "nano_tok_s": statistics.median(nano) if nano else None,
+        "nano_runs": nano,
         "throughput_tok_s": statistics.median(throughput),
         "throughput_runs": throughput,
         "decode1_tok_s": statistics.median(decode),
@@ -118,6 +134,12 @@ def parse_args() -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         help="v1engine's and vLLM's compute dtype (llama.cpp: the GGUF file's)",
     )
+    p.add_argument(
+        "--nano-seqs",
+        type=int,
+        default=0,
+        help="also run nano-vllm's workload with this many sequences (theirs: 256; 0: skip)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -139,7 +161,7 @@ def main() -> None:
         systems["llama.cpp"] = (args.llama_cpp_python, args.gguf_f32)
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as workloads:
-        json.dump(make_workloads(vocab_size, args.seed), workloads)
+        json.dump(make_workloads(vocab_size, args.seed, args.nano_seqs), workloads)
         workloads.flush()
         order = list(systems)
         for round_index in range(args.rounds):
@@ -193,6 +215,11 @@ def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms:
                 f"v1engine / {name}: throughput {throughput:.2f}x, decode1 {decode:.2f}x; "
                 f"same greedy tokens for the first {same} of 256"
             )
+            if r["nano_tok_s"]:
+                print(f"  nano workload: {base['nano_tok_s'] / r['nano_tok_s']:.2f}x")
+    for name, r in results.items():
+        if r["nano_tok_s"]:
+            print(f"nano workload, {name}: {r['nano_tok_s']:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -118,9 +118,16 @@ def test_unknown_architecture_lists_supported():
     assert len(supported_architectures()) == 4
 
 
-def test_resolve_dtype():
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_resolve_dtype(monkeypatch, native_bf16):
+    import v1engine.model.hf_config as hf_config
+
+    monkeypatch.setattr(hf_config, "cpu_has_native_bf16", lambda: native_bf16)
     config = make_config("llama", dtype="float16")
-    assert resolve_dtype(config, "auto", "cpu") == torch.float32
+    cpu_auto = torch.bfloat16 if native_bf16 else torch.float32
+    assert resolve_dtype(config, "auto", "cpu") == cpu_auto
+    assert resolve_dtype(make_config("llama"), "auto", "cpu") == cpu_auto
+    assert resolve_dtype(config, "float32", "cpu") == torch.float32
     assert resolve_dtype(config, "auto", "cuda") == torch.float16
     assert resolve_dtype(make_config("llama"), "auto", "cuda") == torch.bfloat16
     assert resolve_dtype(config, "bfloat16", "cpu") == torch.bfloat16

@@ -187,19 +187,32 @@ def check_tensor_parallel_shape(hf_config: Any, tp_size: int) -> None:
 def resolve_dtype(hf_config: Any, dtype: str, device_type: str) -> torch.dtype:
     """torch dtype for `dtype` ("auto", "float32", "bfloat16", "float16").
 
-    "auto" is float32 on CPU (exact and fast enough there) and, on CUDA, the checkpoint's 16-bit
-    dtype, or bfloat16 for float32/GGUF checkpoints.
+    "auto" on CPU is bfloat16 where the CPU computes in it natively (AVX512-BF16 or AMX), as
+    vLLM's CPU backend chooses, whatever the checkpoint's dtype (float16 runs slowly on CPUs):
+    on this project's 2-core AVX512-BF16 machine a 64-request decode step ran 1.7x faster than
+    in float32. Elsewhere it is float32, exact and fast enough. On CUDA it is the checkpoint's
+    16-bit dtype, or bfloat16 for float32/GGUF checkpoints. Pass "float32" for exact float32
+    (e.g. to compare tokens with transformers).
     """
     import torch
 
     if dtype != "auto":
         return getattr(torch, dtype)
     if device_type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16, or AMX tiles, which come with
+    AMX-BF16); without it oneDNN emulates bfloat16, slower than float32."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def default_model_path() -> str:
