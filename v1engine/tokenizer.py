@@ -72,14 +72,16 @@ class BackgroundTokenizerLoad:
     """
 
     def __init__(self, model_config: ModelConfig, skip: bool = False) -> None:
-        # The package itself is imported here, not on the thread: the engine core imports
-        # `from transformers import ...` too (through xgrammar), and a thread that finds the
-        # package half-initialized by another gets an ImportError. Its submodules, which are
-        # the seconds, import safely on either thread (per-module import locks).
-        import transformers  # noqa: F401
-
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="v1engine-tokenizer")
-        self._future = None if skip else self._pool.submit(load_tokenizer, model_config)
+        self._future = None
+        if not skip:
+            # The package itself is imported here, not on the thread: code on this thread may
+            # run `from transformers import ...` meanwhile (xgrammar did, at the engine core's
+            # import), and a thread that finds the package half-initialized by another gets an
+            # ImportError. Its submodules, the seconds, import safely on either thread.
+            import transformers  # noqa: F401
+
+            self._future = self._pool.submit(load_tokenizer, model_config)
 
     def result(self) -> Any:
         """The tokenizer (None when skipped); raises what `load_tokenizer` raised."""

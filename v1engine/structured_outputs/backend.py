@@ -22,10 +22,10 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from v1engine.structured_outputs.params import StructuredOutputsParams
+
 if TYPE_CHECKING:
     import xgrammar as xgr
-
-from v1engine.structured_outputs.params import StructuredOutputsParams
 
 # A grammar that takes longer than this to compile fails its request instead of holding it.
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
