@@ -113,6 +113,8 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    # Plan step N+1 while the workers run step N (vLLM's async scheduling); see EngineCore.step.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):

@@ -46,6 +46,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    async_scheduling: bool = True
     distributed_executor_backend: str = "mp"
     worker_cls: str = DEFAULT_WORKER_CLS
     seed: int = 0
@@ -88,6 +89,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
+                async_scheduling=self.async_scheduling,
             ),
             device_config=DeviceConfig(device=self.device),
         )

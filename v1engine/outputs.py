@@ -34,8 +34,6 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    # Output tokens sampled since the workers last saw the request.
-    new_token_ids: list[list[int]] = field(default_factory=list)
     # Blocks added this step per group (the whole table when resumed), or None.
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)

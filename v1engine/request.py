@@ -134,10 +134,11 @@ class Request:
     """The scheduler's record of one request.
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
-    `num_computed_tokens <= num_tokens` counts the leading tokens whose KV is in the cache (the
-    scheduler advances it in `update_from_output`, after the step ran; preemption resets it);
-    `num_sent_tokens` counts the leading tokens the workers already hold (0: never sent, so the
-    next schedule sends the request whole as a `NewRequestData`, else as a diff).
+    `num_computed_tokens <= num_tokens + num_output_placeholders` counts the leading tokens whose
+    KV is in the cache or being written by a scheduled step (the scheduler advances it when it
+    schedules; preemption resets it); `num_output_placeholders` counts the tokens scheduled steps
+    will sample but whose values have not arrived; `sent_to_workers` is False until the request's
+    first schedule sends it whole as a `NewRequestData` (later ones send diffs).
     """
 
     def __init__(
@@ -164,7 +165,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache the first time the request was scheduled.
         self.num_cached_tokens = 0
-        self.num_sent_tokens = 0
+        self.num_output_placeholders = 0
+        self.sent_to_workers = False
         # When the engine core queued it and first scheduled it, on the core's monotonic clock
         # (0.0: not yet); sent with its first output, for the queue and prefill time metrics.
         self.queued_ts = time.monotonic()

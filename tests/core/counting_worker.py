@@ -79,6 +79,9 @@ class CountingWorker(WorkerBase):
             )
             last_token = int(batch.token_ids[row, num_tokens - 1])
             sampled.append([(last_token + 1) % VOCAB_SIZE] if end >= num_tokens else [])
+        # Every rank computes the same tokens here, so each appends its own (the runner's ranks
+        # append the driver's).
+        self.states.append_sampled(req_ids, sampled)
         return ModelRunnerOutput(req_ids, sampled) if self.rank == 0 else None
 
     # -- for collective_rpc tests ----------------------------------------------------------------

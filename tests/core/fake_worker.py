@@ -105,7 +105,15 @@ class FakeWorker:
             self._compute(row, scheduler_output.num_scheduled_tokens[req_id])
             for row, req_id in enumerate(req_ids)
         ]
+        sampled = self.pick_tokens(scheduler_output, req_ids, sampled)
+        self.states.append_sampled(req_ids, sampled)
         return ModelRunnerOutput(req_ids, sampled)
+
+    def pick_tokens(
+        self, scheduler_output: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]
+    ) -> list[list[int]]:
+        """The tokens the worker samples (and appends): `token_fn`'s, unless a subclass picks."""
+        return sampled
 
     def _compute(self, row: int, num_tokens: int) -> list[int]:
         batch = self.states.input_batch
@@ -138,18 +146,24 @@ def _prefix_keys(token_ids: list[int]) -> list[int]:
 def assert_worker_mirrors_scheduler(
     scheduler: Scheduler, worker: FakeWorker, scheduler_output: SchedulerOutput
 ) -> None:
-    """After the worker applied `scheduler_output`, its state equals the scheduler's and its
-    batch holds exactly the scheduled requests."""
-    known = {r.request_id for r in scheduler.requests.values() if r.num_sent_tokens > 0}
-    assert set(worker.states.requests) == known
+    """After the worker ran `scheduler_output` and the scheduler took its reply (with no other
+    step in flight), the worker's state equals the scheduler's and its batch holds exactly the
+    scheduled requests."""
+    known = {r.request_id for r in scheduler.requests.values() if r.sent_to_workers}
+    held = set(worker.states.requests)
+    # The workers drop requests finished since this step with the next SchedulerOutput.
+    assert known <= held and held - known <= scheduler.finished_req_ids
     assert sorted(worker.states.input_batch.req_ids) == sorted(
         scheduler_output.num_scheduled_tokens
     )
-    for req_id in scheduler_output.num_scheduled_tokens:
-        request, state = scheduler.requests[req_id], worker.states.requests[req_id]
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue  # finished by this step: the next SchedulerOutput drops it
+        state = worker.states.requests[req_id]
         assert state.all_token_ids == request.all_token_ids
         assert state.block_ids == list(scheduler.kv_cache_manager.get_block_ids(req_id))
-        assert state.num_computed_tokens == request.num_computed_tokens
+        assert state.num_computed_tokens + num_tokens == request.num_computed_tokens
 
 
 def step(
@@ -158,8 +172,8 @@ def step(
     """One engine step through the fake worker, checking the worker mirrors the scheduler."""
     scheduler_output = scheduler.schedule()
     model_runner_output = worker.execute_model(scheduler_output)
-    assert_worker_mirrors_scheduler(scheduler, worker, scheduler_output)
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
+    assert_worker_mirrors_scheduler(scheduler, worker, scheduler_output)
     return scheduler_output, {out.request_id: out for out in outputs.outputs}
 
 
@@ -191,10 +205,12 @@ def assert_all_free(scheduler: Scheduler, worker: FakeWorker) -> None:
 
 
 def make_worker(
-    scheduler: Scheduler, token_fn: Callable[[list[int]], int] = next_token
+    scheduler: Scheduler,
+    token_fn: Callable[[list[int]], int] = next_token,
+    worker_cls: type[FakeWorker] = FakeWorker,
 ) -> FakeWorker:
     """A worker whose batch has the scheduler's limits and one block table per KV cache group."""
     manager = scheduler.kv_cache_manager
     block_sizes = [manager.block_size] * manager.num_groups
     batch = InputBatch(scheduler.max_num_seqs, scheduler.max_model_len, block_sizes)
-    return FakeWorker(RequestStates(batch, generator_device="cpu"), token_fn)
+    return worker_cls(RequestStates(batch, generator_device="cpu"), token_fn)

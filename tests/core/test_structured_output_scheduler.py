@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from tests.core.fake_worker import make_kv_cache_config, make_request, make_worker, step
+from tests.core.fake_worker import (
+    FakeWorker,
+    make_kv_cache_config,
+    make_request,
+    make_worker,
+    step,
+)
 from v1engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from v1engine.core.scheduler import Scheduler
 from v1engine.core.structured_output_manager import StructuredOutputManager
@@ -54,26 +60,27 @@ def regex_request(request_id: str, prompt: list[int], **kwargs):
     )
 
 
-class GrammarWorker:
-    """The fake worker, but a structured request's token is drawn from its bitmask row."""
+class GrammarWorker(FakeWorker):
+    """The fake worker, but a structured request's token is drawn from its bitmask row
+    (`rng`, `bitmask_rows`: set by `grammar_worker`)."""
 
-    def __init__(self, scheduler: Scheduler, seed: int = 0) -> None:
-        self.worker = make_worker(scheduler)
-        self.rng = random.Random(seed)
-        self.states = self.worker.states
-        self.bitmask_rows: list[dict[str, int]] = []
-
-    def execute_model(self, scheduler_output):
-        output = self.worker.execute_model(scheduler_output)
+    def pick_tokens(self, scheduler_output, req_ids, sampled):
         rows = scheduler_output.structured_output_request_ids
         self.bitmask_rows.append(rows)
-        for i, req_id in enumerate(output.req_ids):
+        for i, req_id in enumerate(req_ids):
             if req_id in rows:
-                assert output.sampled_token_ids[i], "a bitmask row for a request not sampling"
+                assert sampled[i], "a bitmask row for a request not sampling"
                 words = scheduler_output.grammar_bitmask[rows[req_id]]
                 allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
-                output.sampled_token_ids[i] = [self.rng.choice(allowed.tolist())]
-        return output
+                sampled[i] = [self.rng.choice(allowed.tolist())]
+        return sampled
+
+
+def grammar_worker(scheduler: Scheduler, seed: int = 0) -> GrammarWorker:
+    worker = make_worker(scheduler, worker_cls=GrammarWorker)
+    worker.rng = random.Random(seed)
+    worker.bitmask_rows = []
+    return worker
 
 
 def run(scheduler, worker, max_steps=400) -> dict[str, tuple[list[int], str]]:
@@ -94,7 +101,7 @@ def test_waiting_grammar_does_not_hold_up_the_queue(tokenizer) -> None:
     scheduler, manager = make_structured_scheduler(
         tokenizer, key="held", load=lambda: release.wait(60) and tokenizer
     )
-    worker = GrammarWorker(scheduler)
+    worker = grammar_worker(scheduler)
     scheduler.add_request(regex_request("structured", [5, 6, 7]))
     scheduler.add_request(make_request("plain", [8, 9], max_tokens=3, ignore_eos=True))
     output, _ = step(scheduler, worker)
@@ -116,7 +123,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_in_the_grammar(tokenizer) -
     scheduler, manager = make_structured_scheduler(
         tokenizer, num_blocks=13, max_num_batched_tokens=8
     )
-    worker = GrammarWorker(scheduler, seed=3)
+    worker = grammar_worker(scheduler, seed=3)
     for i in range(4):
         scheduler.add_request(regex_request(f"s{i}", list(range(20 + i, 33 + i)), ignore_eos=True))
         scheduler.add_request(make_request(f"p{i}", [40 + i] * 6, max_tokens=10, ignore_eos=True))
@@ -136,7 +143,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_in_the_grammar(tokenizer) -
 @pytest.mark.parametrize("bad", [dict(grammar="root ::= "), dict(json='{"type": "objekt"}')])
 def test_a_grammar_that_fails_to_compile_ends_its_request_with_error(tokenizer, bad) -> None:
     scheduler, manager = make_structured_scheduler(tokenizer)
-    worker = GrammarWorker(scheduler)
+    worker = grammar_worker(scheduler)
     request = make_request("bad", [1, 2], structured_outputs=StructuredOutputsParams(**bad))
     scheduler.add_request(request)
     scheduler.add_request(make_request("ok", [3, 4], max_tokens=2, ignore_eos=True))
@@ -154,7 +161,7 @@ def test_a_compile_past_the_time_out_ends_its_request_with_error(tokenizer) -> N
     )
     scheduler.add_request(regex_request("slow", [1, 2]))
     try:
-        results = run(scheduler, GrammarWorker(scheduler))
+        results = run(scheduler, grammar_worker(scheduler))
     finally:
         release.set()
         manager.shutdown()

@@ -68,15 +68,17 @@ class _PagedModel:
         block_sizes = [spec.block_size for spec in self.group_specs]
         scheduler = self.scheduler
         batch = InputBatch(scheduler.max_num_seqs, scheduler.max_model_len, block_sizes)
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = requests[req_id]
+            # The scheduler counts this step's tokens as computed once it scheduled them.
+            num_computed_tokens = request.num_computed_tokens - num_scheduled
             state = CachedRequestState(
                 req_id=req_id,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params,
                 generator=None,
                 block_ids=list(scheduler.kv_cache_manager.get_block_ids(req_id)),
-                num_computed_tokens=request.num_computed_tokens,
+                num_computed_tokens=num_computed_tokens,
                 output_token_ids=list(request.output_token_ids),
             )
             batch.add_request(state)

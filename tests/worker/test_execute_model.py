@@ -143,7 +143,7 @@ def test_penalties_use_prompt_and_output_tokens(tp2):
 def test_unknown_request_is_a_clear_error_and_changes_nothing(tp2):
     executor, _ = tp2
     ghost = SchedulerOutput(
-        scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[5]], [None], [3]),
+        scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [None], [3]),
         num_scheduled_tokens={"ghost": 1},
         total_num_scheduled_tokens=1,
     )

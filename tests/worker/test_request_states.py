@@ -64,7 +64,7 @@ def _snapshot(states) -> tuple:
     [
         (
             SchedulerOutput(
-                scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [[5]], [None], [3]),
+                scheduled_cached_reqs=CachedRequestData(["ghost"], [False], [None], [3]),
                 num_scheduled_tokens={"ghost": 1},
             ),
             "scheduled_cached_reqs names request 'ghost'",
@@ -76,7 +76,7 @@ def _snapshot(states) -> tuple:
         ),
         (
             SchedulerOutput(
-                scheduled_cached_reqs=CachedRequestData(["b"], [True], [[]], [None], [0]),
+                scheduled_cached_reqs=CachedRequestData(["b"], [True], [None], [0]),
                 num_scheduled_tokens={"b": 3},
             ),
             "'b' resumes from preemption without a block table",
@@ -84,7 +84,7 @@ def _snapshot(states) -> tuple:
         (
             # Finished requests are dropped first: a diff for one is for an unknown request.
             SchedulerOutput(
-                scheduled_cached_reqs=CachedRequestData(["a"], [False], [[]], [None], [5]),
+                scheduled_cached_reqs=CachedRequestData(["a"], [False], [None], [5]),
                 num_scheduled_tokens={"a": 1},
                 finished_req_ids={"a"},
             ),

@@ -6,7 +6,8 @@ the busy loop runs:
 
     while True:
         read the input socket: without blocking while requests run, else block until a message
-        step() once if any request is unfinished; send the outputs if the step made tokens
+        step() once if any request is unfinished or a step is still on the workers; send the
+        outputs if the step made tokens
 
 Messages and their encoding are in core_protocol.py. Failures: when a worker dies or the loop
 raises, the core sends ENGINE_DEAD with the reason, stops the workers and exits 1. A worker death
@@ -117,12 +118,14 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         assert self.engine_core is not None
+        core = self.engine_core
         while True:
-            self._process_input(block=not self.engine_core.has_unfinished_requests())
+            busy = core.has_unfinished_requests() or core.has_steps_in_flight()
+            self._process_input(block=not busy)
             if self._should_stop:
                 return
-            if self.engine_core.has_unfinished_requests():
-                outputs = self.engine_core.step()
+            if core.has_unfinished_requests() or core.has_steps_in_flight():
+                outputs = core.step()
                 if outputs.outputs:
                     self._send(EngineCoreOutputType.OUTPUTS, outputs)
 

@@ -4,13 +4,16 @@ Start-up is the handshake of DESIGN §3, one method per step (`_initialize_kv_ca
 worker reports its KV cache specs and spare bytes, the core turns them into one KVCacheConfig per
 worker with a common block count, and the workers allocate their caches and warm up. Then each
 `step()` schedules a token budget, runs the model once on every worker and turns rank 0's
-sampled tokens into per-request outputs.
+sampled tokens into per-request outputs; with async scheduling (the default) the workers are
+kept one step ahead of the outputs.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from v1engine.config import EngineConfig
@@ -26,7 +29,7 @@ from v1engine.executor.abstract import Executor
 from v1engine.executor.rpc_call import RpcCall
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
-from v1engine.outputs import ModelRunnerOutput
+from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -82,6 +85,9 @@ class EngineCore:
             kv_cache_config,
             self.structured_output_manager,
         )
+        # Steps sent to the workers whose outputs are not processed yet, oldest first: one,
+        # or two while async scheduling runs the workers a step ahead.
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         logger.info(
             "Engine ready in %.2f s (%s)",
             sum(self._startup_s.values()),
@@ -134,25 +140,55 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_steps_in_flight(self) -> bool:
+        """Whether a step sent to the workers still has its outputs to be read by `step()`."""
+        return bool(self._in_flight)
+
     # -- stepping ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        """Schedules one token budget, runs it on every worker, returns the new tokens."""
-        scheduler_output = self.scheduler.schedule()
-        has_work = scheduler_output.total_num_scheduled_tokens > 0
-        # Workers must hear about finished and preempted requests even in an idle step, or
-        # they would keep those requests' state forever.
-        if not has_work and not (
-            scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids
-        ):
+        """Returns the outputs of one model step.
+
+        With `async_scheduling` the workers are kept one step ahead: while they run step N, the
+        core schedules step N+1 and sends it (the workers queue it), then waits for N's tokens
+        and turns them into outputs; N+1 runs as soon as N ends, and its tokens come with the
+        next call. A step that would need tokens still in flight (a grammar's bitmask) is
+        scheduled only once they arrived (the scheduler's module doc says how)."""
+        if not self._in_flight and not self._launch(self.scheduler.schedule()):
             if self.structured_output_manager is not None:
                 self.structured_output_manager.wait_for_grammars(
                     self.scheduler.waiting, _GRAMMAR_WAIT_S
                 )
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        model_output = self.executor.execute_model(scheduler_output)
-        if model_output is None or not has_work:
+        if self._may_schedule_ahead():
+            self._launch(self.scheduler.schedule())
+        scheduler_output, future = self._in_flight.popleft()
+        model_output = future.result()
+        if model_output is None or not scheduler_output.total_num_scheduled_tokens:
             model_output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _launch(self, scheduler_output: SchedulerOutput) -> bool:
+        """Sends a step to the workers unless it has nothing for them; True if sent. A step
+        with no tokens still goes when it names finished or preempted requests, or the workers
+        would keep their state forever."""
+        if not (
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.finished_req_ids
+            or scheduler_output.preempted_req_ids
+        ):
+            return False
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        self._in_flight.append((scheduler_output, future))
+        return True
+
+    def _may_schedule_ahead(self) -> bool:
+        return (
+            self.config.scheduler_config.async_scheduling
+            and len(self._in_flight) == 1
+            and (self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests())
+            # A grammar needs its last token before its next bitmask: no step ahead while one runs.
+            and not any(request.use_structured_output for request in self.scheduler.running)
+        )
 
     # -- control -------------------------------------------------------------------------------
     def collective_rpc(

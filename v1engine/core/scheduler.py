@@ -15,12 +15,22 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    is still compiling: those are skipped). Prefix-cache hits count as computed (a request asking
    for prompt logprobs gets none: it must compute every prompt position). Skipped in a step
    that preempted: blocks just ran out.
-3. The `SchedulerOutput`: new requests whole, the others as diffs (see `v1engine.outputs`), and
-   the grammar bitmask rows of the structured requests that sample this step.
+3. The `SchedulerOutput` (`scheduler_output.py`): new requests whole, the others as diffs, and
+   the grammar bitmask rows of the structured requests that sample this step. The scheduled
+   requests' `num_computed_tokens` then advance at once, and each request that samples this
+   step gains an output placeholder.
 
-`update_from_output()` then records what the step computed and sampled, advances grammars, and
-finishes requests; a prefill chunk that samples nothing sends an output only when it carries prompt
-logprobs.
+`update_from_output()` later turns a step's sampled tokens into outputs: it fills the
+placeholders, advances grammars and finishes requests; a prefill chunk that samples nothing sends
+an output only when it carries prompt logprobs.
+
+Async scheduling (the engine core plans step N+1 while the workers run step N) needs nothing
+else: a request whose token of step N is still a placeholder is scheduled one more token on top
+of it, and the workers fill that token in themselves (they append what they sample). It is not
+scheduled ahead when the placeholders may already reach its length limits, or when it has a
+grammar (the bitmask needs every earlier token); a preempted request resumes only after its
+in-flight token arrived. Preemption, stops and aborts need no special case: a token sampled for
+a request that has finished since is dropped.
 """
 
 from __future__ import annotations
@@ -28,20 +38,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from v1engine.core.scheduler_output import StepPlan, build_scheduler_output
 from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
-from v1engine.outputs import (
-    CachedRequestData,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -53,25 +57,6 @@ from v1engine.request import (
 )
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class _StepPlan:
-    """What one `schedule()` call has decided so far."""
-
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # Blocks each scheduled request gained this step.
-    new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
-    new_reqs: list[Request] = field(default_factory=list)
-    resumed_req_ids: set[str] = field(default_factory=set)
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
-        assert request.request_id not in self.num_scheduled_tokens
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.new_blocks[request.request_id] = new_blocks
-        self.token_budget -= num_tokens
 
 
 class Scheduler:
@@ -117,28 +102,51 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_finished_requests(self) -> bool:
+        """Whether requests finished since the last schedule (the workers still hold them)."""
+        return bool(self.finished_req_ids)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- schedule -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        """Plans one step. May run while earlier steps are still on the workers (async
+        scheduling): their sampled tokens are then placeholders, counted but not yet known."""
+        plan = StepPlan(token_budget=self.max_num_batched_tokens)
         self._check_grammars()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
-        return self._make_scheduler_output(plan)
+        output = build_scheduler_output(
+            plan,
+            self.requests,
+            self.kv_cache_manager,
+            self.finished_req_ids,
+            self.structured_output_manager,
+        )
+        self.finished_req_ids = set()
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # it samples: its token comes later
+        return output
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
+            if request.num_output_placeholders and not self._may_run_ahead(request):
+                index += 1  # its in-flight token may finish it, or its grammar needs it first
+                continue
             num_new_tokens = min(
-                request.num_tokens - request.num_computed_tokens, plan.token_budget
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                plan.token_budget,
             )
-            # A running request always has a token to compute: update_from_output appended the
-            # token its last step sampled, or its prompt is still being chunked in.
+            # A running request always has a token to compute: the one its last step sampled
+            # (known or still in flight), or the rest of a prompt being chunked in.
             assert num_new_tokens > 0, request
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
@@ -146,8 +154,19 @@ class Scheduler:
             plan.add(request, num_new_tokens, new_blocks)
             index += 1
 
+    def _may_run_ahead(self, request: Request) -> bool:
+        """Whether a request whose sampled tokens are still in flight may be scheduled on top of
+        them: not when they may already reach its length limits, and not with a grammar (its
+        bitmask needs the matcher to have seen every earlier token)."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        return (
+            not request.use_structured_output
+            and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
+            and num_tokens < self.max_model_len
+        )
+
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: _StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> KVCacheBlocks | None:
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -160,7 +179,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         assert request.request_id not in plan.num_scheduled_tokens
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -170,12 +189,13 @@ class Scheduler:
         plan.preempted_req_ids.add(request.request_id)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         manager = self.kv_cache_manager
         skipped: list[Request] = []  # grammars still compiling, put back in order below
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_FSM:
+            if request.status == RequestStatus.WAITING_FOR_FSM or request.num_output_placeholders:
+                # A grammar still compiling, or preempted with a sampled token in flight.
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
@@ -184,7 +204,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # first come first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            if request.num_sent_tokens == 0:
+            if not request.sent_to_workers:
                 request.num_cached_tokens = num_hit_tokens
                 request.scheduled_ts = time.monotonic()
                 plan.new_reqs.append(request)
@@ -210,84 +230,33 @@ class Scheduler:
                 EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
             )
 
-    def _make_scheduler_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_reqs = [self._make_new_request_data(request) for request in plan.new_reqs]
-        cached = CachedRequestData()
-        for req_id in plan.num_scheduled_tokens:
-            request = self.requests[req_id]
-            if request.num_sent_tokens == 0:
-                continue  # in new_reqs
-            resumed = req_id in plan.resumed_req_ids
-            cached.req_ids.append(req_id)
-            cached.resumed_from_preemption.append(resumed)
-            cached.new_token_ids.append(request.all_token_ids[request.num_sent_tokens :])
-            if resumed:
-                cached.new_block_ids.append(self.kv_cache_manager.get_block_ids(req_id))
-            else:
-                cached.new_block_ids.append(_block_ids_or_none(plan.new_blocks[req_id]))
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            request.num_sent_tokens = request.num_tokens
-        for request in plan.new_reqs:
-            request.num_sent_tokens = request.num_tokens
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=plan.preempted_req_ids,
-            **self._grammar_bitmask(plan),
-        )
-        self.finished_req_ids = set()
-        return output
-
-    def _grammar_bitmask(self, plan: _StepPlan) -> dict:
-        """The bitmask rows of the structured requests that sample this step (a partial
-        prefill chunk samples nothing, so it has no row)."""
-        sampling = [
-            request
-            for req_id, num_tokens in plan.num_scheduled_tokens.items()
-            if (request := self.requests[req_id]).use_structured_output
-            and request.num_computed_tokens + num_tokens == request.num_tokens
-        ]
-        if not sampling:
-            return {}
-        return {
-            "structured_output_request_ids": {r.request_id: i for i, r in enumerate(sampling)},
-            "grammar_bitmask": self.structured_output_manager.grammar_bitmask(sampling),
-        }
-
-    def _make_new_request_data(self, request: Request) -> NewRequestData:
-        assert request.num_tokens == request.num_prompt_tokens
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens,
-        )
-
     # ---- update ---------------------------------------------------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Records the step: computed tokens, sampled tokens, stops. Returns what changed."""
+        """Records one step's sampled tokens and stops. Returns what changed."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = _logprobs_by_request(model_runner_output)
         prompt_logprobs = model_runner_output.prompt_logprobs
         outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
-                continue  # aborted after it was scheduled
-            assert request.status == RequestStatus.RUNNING, request
-            request.num_computed_tokens += num_tokens
+                continue  # finished or aborted after it was scheduled: its token is dropped
+            tokens = sampled.get(req_id, [])
+            # Workers sample only where the scheduler counted a placeholder.
+            assert request.num_output_placeholders >= len(tokens), request
+            request.num_output_placeholders -= len(tokens)
+            # Preempted while its step ran: the token still counts; it resumes after it.
+            preempted = request.status == RequestStatus.PREEMPTED
             output = self._update_request(
-                request, sampled.get(req_id, []), logprobs.get(req_id), prompt_logprobs.get(req_id)
+                request, tokens, logprobs.get(req_id), prompt_logprobs.get(req_id)
             )
             if output is not None:
                 outputs.append(output)
+                if preempted and request.is_finished():
+                    self.waiting.remove(request)
         if any(request.is_finished() for request in self.running):
             self.running = [request for request in self.running if not request.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
@@ -299,8 +268,6 @@ class Scheduler:
         logprobs: LogprobsLists | None,
         prompt_logprobs: LogprobsLists | None,
     ) -> EngineCoreOutput | None:
-        # Workers sample only at the end of the known tokens; a partial prefill samples none.
-        assert not sampled or request.num_computed_tokens == request.num_tokens, request
         new_token_ids: list[int] = []
         for token_id in sampled:
             request.append_output_token_ids([token_id])
@@ -372,12 +339,6 @@ class Scheduler:
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
         )
-
-
-def _block_ids_or_none(blocks: KVCacheBlocks) -> tuple[list[int], ...] | None:
-    if not any(blocks):
-        return None
-    return tuple([block.block_id for block in group] for group in blocks)
 
 
 def _logprobs_by_request(output: ModelRunnerOutput) -> dict[str, LogprobsLists]:

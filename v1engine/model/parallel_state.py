@@ -64,3 +64,11 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_from_driver(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place (the other ranks pass a tensor of its shape and
+    dtype) and returned; a no-op on one rank."""
+    if get_tp_world_size() > 1:
+        dist.broadcast(x, src=0)
+    return x

@@ -9,7 +9,9 @@ A step (`execute_model`):
    once, in `load_model`) builds from the group's slot mapping and block table.
 3. forward inside `set_forward_context`, then logits only at the prompt positions whose
    prompt logprobs are asked for (`prompt_logprobs.py`) and at those last tokens (every rank:
-   the LM head gathers over the tensor-parallel group); the driver alone samples.
+   the LM head gathers over the tensor-parallel group); the driver alone samples, and every rank
+   appends the driver's tokens to its request states (the next step may already be scheduled
+   on top of them).
 
 The class runs on CPU or CUDA alike; its name follows vLLM.
 """
@@ -31,6 +33,7 @@ from v1engine.model.layers.attention import Attention, get_attention_layers, set
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
+from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.input_batch import InputBatch
@@ -216,6 +219,7 @@ class GPUModelRunner:
         # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
         prompt_logprobs = self._prompt_logprobs(hidden, query_lens)
         sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
+        self.states.append_sampled(req_ids, sampled)
         if not self.is_driver:
             return None
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
@@ -237,21 +241,28 @@ class GPUModelRunner:
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
         rows' logprobs, within the grammar bitmask the scheduler sent for structured requests.
-        Off the driver only the LM-head call matters; what it returns is dropped."""
+        The driver samples; every rank gets its tokens (each appends them to its states)."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
-        if not self.is_driver:
-            return [], None
-        sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]
-        states = [self.states.requests[req_id] for req_id in sampling_req_ids]
-        bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
-        metadata = build_sampling_metadata(states, self.vocab_size, self.device, bitmask)
-        output = self.sampler(logits, metadata)
-        for row, token_id in zip(inputs.sampling_rows, output.sampled_token_ids.tolist()):
+        logprobs = None
+        if self.is_driver:
+            sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]
+            states = [self.states.requests[req_id] for req_id in sampling_req_ids]
+            bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
+            metadata = build_sampling_metadata(states, self.vocab_size, self.device, bitmask)
+            output = self.sampler(logits, metadata)
+            token_ids = output.sampled_token_ids
+            logprobs = to_logprobs_lists(output.logprobs)
+        else:
+            token_ids = torch.empty(
+                len(inputs.sampling_rows), dtype=torch.int64, device=self.device
+            )
+        token_ids = broadcast_from_driver(token_ids)
+        for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
             sampled[row] = [token_id]
-        return sampled, to_logprobs_lists(output.logprobs)
+        return sampled, logprobs
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.states is None:

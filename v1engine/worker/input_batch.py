@@ -6,7 +6,7 @@ included. `InputBatch` holds the requests scheduled in the current step as dense
 `0 .. num_reqs - 1` of preallocated numpy arrays, so each step's flat inputs are built with a few
 vectorized gathers (see `model_inputs.py`) instead of Python loops over tokens:
 
-    token_ids            [max_num_reqs, max_model_len] int32   prompt + output tokens per row
+    token_ids            [max_num_reqs, max_model_len + 1] int32  prompt + output tokens per row
     num_tokens           [max_num_reqs] int32                  valid length of each token row
     num_computed_tokens  [max_num_reqs] int32                  tokens already in the KV cache
     block_tables[g]      one `BlockTable` per KV cache group (its own block size)
@@ -90,7 +90,9 @@ class InputBatch:
         # Row -> request id; dense, so rows 0 .. num_reqs - 1 are the batch.
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        # One column past max_model_len: a request's last sampled token (the one that reaches
+        # the limit) is appended by the workers, though never computed.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_tables = [BlockTable(max_num_reqs, max_model_len, bs) for bs in block_sizes]
@@ -125,11 +127,11 @@ class InputBatch:
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
         start = int(self.num_tokens[row])
         end = start + len(token_ids)
-        if end > self.max_model_len:
+        if end > self.max_model_len + 1:
             raise ValueError(
                 f"request {self.req_ids[row]!r} would hold {end} tokens, more than "
                 f"max_model_len={self.max_model_len}; the scheduler must cap prompt plus output "
-                "tokens at max_model_len"
+                "tokens at max_model_len (one sampled token past it at most)"
             )
         self.token_ids[row, start:end] = token_ids
         self.num_tokens[row] = end

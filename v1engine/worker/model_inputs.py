@@ -117,8 +117,8 @@ def _check_known_tokens(batch: InputBatch, seq_lens: np.ndarray, num_tokens: np.
         row = int(np.argmax(seq_lens > num_tokens))
         raise RuntimeError(
             f"request {batch.req_ids[row]!r} is scheduled up to token {int(seq_lens[row])} but "
-            f"the workers know only {int(num_tokens[row])} of its tokens; the scheduler must "
-            "send every sampled token in new_token_ids before scheduling past it"
+            f"the workers know only {int(num_tokens[row])} of its tokens; a request is scheduled "
+            "past its prompt only by the tokens the workers sampled for it"
         )
 
 

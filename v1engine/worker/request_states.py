@@ -11,10 +11,12 @@ The SchedulerOutput-diff contract (the types are in `v1engine/outputs.py`):
   computed-token count, prefix-cache hits included). Workers keep its state until it appears in
   `finished_req_ids`, preemption included.
 - Running requests arrive as diffs: each later step that schedules a request names it in
-  `scheduled_cached_reqs` with the tokens appended since the workers last saw it, the blocks it
-  gained this step per group (None when it gained none) and its computed-token count. Workers
-  never append what they sample: the scheduler sends every output token back in
-  `new_token_ids`, so all ranks keep identical state.
+  `scheduled_cached_reqs` with the blocks it gained this step per group (None when it gained
+  none) and its computed-token count (what the step starts from).
+- Workers append what they sample (`append_sampled`, every rank the driver's tokens), so the
+  scheduler never sends output tokens back, and may schedule step N+1 before step N's tokens
+  reach it: the token step N+1 computes on is the one the workers sampled in step N. A token
+  sampled for a request that finished meanwhile is dropped with the request's state.
 - `finished_req_ids`: requests finished or aborted since the last step; workers drop their
   state. Ids the workers never received (aborted while waiting) are ignored.
 - `preempted_req_ids`: requests preempted this step. They lose their blocks and leave the batch,
@@ -119,8 +121,7 @@ class RequestStates:
         batch = self.input_batch
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            new_token_ids, new_block_ids = cached.new_token_ids[i], cached.new_block_ids[i]
-            state.output_token_ids.extend(new_token_ids)
+            new_block_ids = cached.new_block_ids[i]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed_from_preemption[i]:
                 # The scheduler sends the whole table: its blocks may all have changed.
@@ -133,7 +134,15 @@ class RequestStates:
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 continue
-            batch.append_tokens(row, new_token_ids)
             batch.num_computed_tokens[row] = state.num_computed_tokens
             if new_block_ids is not None:
                 batch.append_block_ids(row, new_block_ids)
+
+    def append_sampled(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Appends the step's sampled tokens (one list per batch row, in `req_ids` order; [] for
+        a partial prefill) to the request states and their rows."""
+        batch = self.input_batch
+        for row, (req_id, token_ids) in enumerate(zip(req_ids, sampled, strict=True)):
+            if token_ids:
+                self.requests[req_id].output_token_ids.extend(token_ids)
+                batch.append_tokens(row, token_ids)
