@@ -51,6 +51,7 @@ class CountingWorker(WorkerBase):
     def load_model(self) -> None:
         self.states: RequestStates | None = None
         self.step_delay_s = 0.0
+        self.gate: tuple[str, float] | None = None
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         return {"layers.0": FullAttentionSpec(16, 1, 8, torch.float32)}
@@ -69,6 +70,8 @@ class CountingWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         time.sleep(self.step_delay_s)
+        if self.gate is not None:
+            self._wait_for_gate(*self.gate)
         self.states.update(scheduler_output)
         batch = self.states.input_batch
         req_ids, sampled = list(batch.req_ids), []
@@ -87,6 +90,18 @@ class CountingWorker(WorkerBase):
     # -- for collective_rpc tests ----------------------------------------------------------------
     def set_step_delay(self, seconds: float) -> None:
         self.step_delay_s = seconds
+
+    def set_gate(self, path: str, timeout_s: float) -> None:
+        """Makes every step wait until `path` exists (at most `timeout_s`)."""
+        self.gate = (path, timeout_s)
+
+    @staticmethod
+    def _wait_for_gate(path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {path} did not open within {timeout_s} s")
+            time.sleep(0.005)
 
     def sleep(self, seconds: float) -> int:
         time.sleep(seconds)
