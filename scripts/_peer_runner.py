@@ -1,6 +1,7 @@
 """One system's side of `bench_peers.py`, run in that system's own interpreter.
 
-    PYTHON _peer_runner.py {v1engine,vllm,llama.cpp} --model PATH --requests R.json --out O.json
+    PYTHON _peer_runner.py {v1engine,v1engine-sync,vllm,llama.cpp} --model PATH \\
+        --requests R.json --out O.json
 
 Standalone on purpose (standard library plus the system itself): the vLLM and llama.cpp venvs have
 no v1engine. It loads the model, warms up with one short request, then runs the two workloads of
@@ -20,11 +21,18 @@ Request = tuple[list[int], int]  # (prompt token ids, output tokens)
 
 
 class V1Engine:
+    async_scheduling = True
+
     def __init__(self, model: str, threads: int, max_model_len: int, dtype: str) -> None:
         from v1engine import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(model, dtype=dtype, max_model_len=max_model_len)
+        self.llm = LLM(
+            model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            async_scheduling=self.async_scheduling,
+        )
 
     def generate(self, requests: list[Request]) -> list[list[int]]:
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
@@ -86,7 +94,18 @@ class LlamaCpp:
         self.llm.close()
 
 
-SYSTEMS = {"v1engine": V1Engine, "vllm": VLLM, "llama.cpp": LlamaCpp}
+class V1EngineSync(V1Engine):
+    """v1engine with async scheduling off: each step's outputs are read before the next."""
+
+    async_scheduling = False
+
+
+SYSTEMS = {
+    "v1engine": V1Engine,
+    "v1engine-sync": V1EngineSync,
+    "vllm": VLLM,
+    "llama.cpp": LlamaCpp,
+}
 
 
 def timed(system: Any, requests: list[Request]) -> dict[str, Any]:

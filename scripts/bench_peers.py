@@ -21,6 +21,7 @@ the weight bytes over a memory-read bandwidth it measures (2 threads summing 1 G
 
 Each system runs as its users get it: v1engine and llama.cpp on every core (llama.cpp told so),
 vLLM's CPU build with its defaults (it reserves a core and runs the model on one thread).
+`--with-sync` adds v1engine with async scheduling off (`v1engine-sync`), the baseline for it.
 
 The peers' venvs (scratch, outside the repository):
     python3 -m venv ~/.cache/v1engine/peers/vllm-venv
@@ -140,6 +141,11 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="also run nano-vllm's workload with this many sequences (theirs: 256; 0: skip)",
     )
+    p.add_argument(
+        "--with-sync",
+        action="store_true",
+        help="also run v1engine with async scheduling off (system v1engine-sync)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args()
@@ -153,6 +159,8 @@ def main() -> None:
     print(f"checkpoint: {checkpoint}")
     vocab_size = load_hf_config(checkpoint).vocab_size
     systems = {"v1engine": (sys.executable, checkpoint)}
+    if args.with_sync:
+        systems["v1engine-sync"] = (sys.executable, checkpoint)
     if args.vllm_python:
         systems["vllm"] = (args.vllm_python, checkpoint)
     if args.llama_cpp_python:
@@ -200,10 +208,10 @@ def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms:
     )
     base = results["v1engine"]
     header = ("system", "throughput tok/s", "decode1 tok/s", "ms/token", "load s")
-    print("{:<10} {:>17} {:>14} {:>9} {:>7}".format(*header))
+    print("{:<13} {:>17} {:>14} {:>9} {:>7}".format(*header))
     for name, r in results.items():
         print(
-            f"{name:<10} {r['throughput_tok_s']:>17.1f} {r['decode1_tok_s']:>14.1f} "
+            f"{name:<13} {r['throughput_tok_s']:>17.1f} {r['decode1_tok_s']:>14.1f} "
             f"{r['decode1_ms_per_token']:>9.1f} {r['load_s']:>7.1f}"
         )
     for name, r in results.items():

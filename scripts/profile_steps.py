@@ -16,6 +16,10 @@ step (medians over the repeats):
   attention, norms, rotary, activation, embedding, and the decoder layers' Python glue), the LM
   head and the sampler.
 
+The engine runs with async scheduling off, so that each step's phases follow one another and
+add up (with it on, the next step's scheduling overlaps this step's forward; the worker's split
+is the same either way).
+
 `--busy` repeats each batch size with one busy process per core competing and prints the
 busy/quiet ratio of the step time.
 
@@ -181,6 +185,8 @@ def main() -> None:
         dtype=args.dtype,
         max_num_seqs=max(batch_sizes),
         worker_cls="_profiling_worker.ProfilingWorker",
+        # The phases are split per step, so steps run one after the other here.
+        async_scheduling=False,
     )
     results: dict[str, Any] = {"quiet": {}, "busy": {}}
     try:
