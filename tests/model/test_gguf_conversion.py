@@ -44,10 +44,23 @@ def test_conversion_runs_once_and_is_reused(tmp_path, monkeypatch):
     assert len(calls) == 1
     assert os.path.basename(target).startswith("tiny-")
     assert os.path.isfile(os.path.join(target, "config.json"))
-    # Only the finished directory and its lock remain: the temporary directory was renamed.
-    assert sorted(os.listdir(cache)) == sorted(
-        [os.path.basename(target), f"{target}.lock"[len(cache) + 1 :]]
-    )
+    # Only the finished directory, its lock and the file's digest remain: the temporary
+    # directory was renamed.
+    name = os.path.basename(target)
+    assert sorted(os.listdir(cache)) == sorted([name, f"{name}.lock", "digests"])
+
+
+def test_copies_of_one_file_share_a_conversion(tmp_path, monkeypatch):
+    # The default model's wheel, installed in a new virtual environment, is not converted again.
+    calls: list[str] = []
+    monkeypatch.setattr(gguf_conversion, "_convert", _counting_convert(calls))
+    gguf = _fake_gguf(tmp_path)
+    copy = tmp_path / "venv2" / "tiny.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(b"GGUF")
+    cache = str(tmp_path / "cache")
+    assert prepare_checkpoint(gguf, cache) == prepare_checkpoint(str(copy), cache)
+    assert len(calls) == 1
 
 
 def test_changed_file_gets_a_new_conversion(tmp_path, monkeypatch):
@@ -69,7 +82,8 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="corrupt file"):
         prepare_checkpoint(_fake_gguf(tmp_path), str(cache))
-    assert [name for name in os.listdir(cache) if not name.endswith(".lock")] == []
+    left = [name for name in os.listdir(cache) if not name.endswith(".lock")]
+    assert left == ["digests"]  # the file's digest only; no checkpoint, no temporary directory
 
 
 @pytest.mark.slow

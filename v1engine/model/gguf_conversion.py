@@ -2,7 +2,9 @@
 
 The loader shards safetensors tensors per rank with lazy slices, which GGUF's quantized blocks
 do not allow, so a GGUF model is dequantized once with transformers and cached under
-`~/.cache/v1engine/<name>-<hash of path, size, mtime>`. Several workers may ask at the same time:
+`~/.cache/v1engine/<name>-<hash of the file's bytes>`: every copy of one file (the default model's
+wheel installed in each new virtual environment) shares one conversion, and a changed file gets
+a new one. Several workers may ask at the same time:
 a file lock lets one convert while the others wait, and the result appears by an atomic rename
 of a finished temporary directory, so nobody ever reads a half-written checkpoint.
 """
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from v1engine.logger import init_logger, is_rank0
+from v1engine.utils import write_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -29,13 +32,29 @@ DEFAULT_CACHE_DIR = "~/.cache/v1engine"
 
 
 def converted_checkpoint_dir(gguf_path: str, cache_dir: str | None = None) -> str:
-    """Where the conversion of `gguf_path` lives; changes when the file does."""
-    stat = os.stat(gguf_path)
-    key = f"{os.path.abspath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    """Where the conversion of `gguf_path` lives; named by the file's content."""
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     root = os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)
-    return os.path.join(root, f"{name}-{digest}")
+    return os.path.join(root, f"{name}-{_content_digest(gguf_path, root)}")
+
+
+def _content_digest(path: str, root: str) -> str:
+    """The file's sha256 (16 hex digits), remembered under `root/digests` by path, size and
+    mtime: hashing takes ~1 s per GB, a start-up that has seen the file before only a stat."""
+    stat = os.stat(path)
+    seen = f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = os.path.join(root, "digests", hashlib.sha256(seen.encode()).hexdigest()[:32])
+    try:
+        with open(memo) as f:
+            digest = f.read()
+        if len(digest) == 16:
+            return digest
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    write_atomically(memo, digest)
+    return digest
 
 
 def _is_complete(checkpoint_dir: str) -> bool:

@@ -7,12 +7,10 @@ downloaded. GGUF files are converted once into a cached HF directory by `prepare
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 import types
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +20,7 @@ from v1engine.model.models.registry import (
     check_architecture,
     supported_architectures,
 )
+from v1engine.utils import write_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -88,25 +87,8 @@ def _config_dict(path: str) -> dict[str, Any]:
     values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
     # Private keys (the path it was read from) would be stale for the next directory.
     values = {name: value for name, value in values.items() if not name.startswith("_")}
-    _write_atomically(cache_file, json.dumps(values))
+    write_atomically(cache_file, json.dumps(values))
     return values
-
-
-def _write_atomically(path: str, text: str) -> None:
-    """Writes `path` whole or not at all (a concurrent reader never sees part of it); a cache
-    that cannot be written (a read-only home) is skipped, not an error."""
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(temp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
 
 
 def get_architecture(hf_config: Any) -> str:
