@@ -34,6 +34,7 @@ from tests.model.checkpoints import load_hf_model, make_checkpoint  # noqa: E402
 from tests.process_utils import wait_gone  # noqa: E402
 from tests.ray_cluster import ray_leftovers, start_cluster, stop_cluster  # noqa: E402
 from tests.timeouts import scaled  # noqa: E402
+from tests.worker.worker_utils import expected_spin_count, worker_spin_count  # noqa: E402
 from v1engine.engine.core_process import EngineDeadError  # noqa: E402
 from v1engine.executor.abstract import Executor  # noqa: E402
 from v1engine.executor.errors import WorkerDiedError, WorkerError  # noqa: E402
@@ -80,6 +81,10 @@ class TestCalls:
         assert executor.collective_rpc("get_rank") == [0, 1]
         assert executor.collective_rpc("get_rank", unique_reply_rank=1) == 1
         assert executor.collective_rpc(rank_times, args=(10,)) == [0, 10]
+
+    def test_workers_get_the_multiprocess_workers_openmp_wait_policy(self, executor):
+        expected = expected_spin_count()  # on every node, as for multiprocess workers
+        assert executor.collective_rpc(worker_spin_count) == [expected, expected]
 
     def test_large_tensors_cross_nodes_both_ways(self, executor):
         tensor = torch.arange(BIG_BYTES // 4, dtype=torch.float32)

@@ -16,6 +16,7 @@ import torch
 from tests.model.checkpoints import make_checkpoint
 from tests.worker.worker_utils import (
     executor_step,
+    expected_spin_count,
     kv_cache_layout,
     make_engine_config,
     make_prompts,
@@ -147,8 +148,7 @@ def test_cpu_workers_get_disjoint_cores_and_a_fair_memory_share(hybrid_tp2):
         assert num_threads == max(1, num_cpus // 2)
     if num_cpus >= 2:
         assert not set(threads[0][1]) & set(threads[1][1])
-    # OpenMP barriers spin briefly, then sleep (worker_proc.worker_env_defaults says why).
-    expected = os.environ.get("GOMP_SPINCOUNT", None if "OMP_WAIT_POLICY" in os.environ else "1000")
+    expected = expected_spin_count()
     assert executor.collective_rpc(worker_spin_count) == [expected, expected]
     for profile in executor.collective_rpc(memory_profile):
         assert profile.total_bytes == host_memory_bytes()

@@ -134,6 +134,12 @@ def worker_spin_count(worker: Any) -> str | None:
     return os.environ.get("GOMP_SPINCOUNT")
 
 
+def expected_spin_count() -> str | None:
+    """What worker_spin_count gives in a worker started from this process: OpenMP barriers spin
+    briefly, then sleep (worker_proc.worker_env_defaults says why), unless the user chose."""
+    return os.environ.get("GOMP_SPINCOUNT", None if "OMP_WAIT_POLICY" in os.environ else "1000")
+
+
 # -- driving with the real scheduler -------------------------------------------------------------
 # The scheduler's own limits; make_engine_config gives the workers max_model_len=64 and
 # max_num_seqs=8, which these must not exceed.

@@ -14,6 +14,7 @@ kills the actors, removes the placement group and, if the engine started Ray, st
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -32,6 +33,7 @@ from v1engine.executor.ray_cluster import (
 )
 from v1engine.executor.ray_worker import NodeInfo, RayWorker
 from v1engine.executor.worker_group import WorkerGroupBase
+from v1engine.executor.worker_proc import worker_env_defaults
 from v1engine.logger import init_logger
 from v1engine.process import (
     GRACEFUL_STOP_S,
@@ -74,11 +76,15 @@ class RayWorkerGroup(WorkerGroupBase):
         actor_cls = ray.remote(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0)(
             RayWorker
         )
+        # The OpenMP wait policy multiprocess workers get (worker_proc says why); a Ray worker's
+        # environment comes from its node's raylet, so it travels in the actor's runtime_env.
+        env = {k: v for k, v in worker_env_defaults().items() if k not in os.environ}
         self.actors = [  # set at once, so shutdown() kills them even if the rest fails
             actor_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self._placement_group, placement_group_bundle_index=i
-                )
+                ),
+                runtime_env={"env_vars": env},
             ).remote()
             for i in range(world_size)
         ]
