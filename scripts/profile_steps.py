@@ -38,6 +38,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from _bench_utils import busy_cores, cpu_machine_info
@@ -76,14 +77,20 @@ class EngineTimer:
         original = getattr(owner, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, kind = time.perf_counter(), self.kind
             result = original(*args, **kwargs)
             if after is not None:
                 after(result)
-            self.seconds[self.kind][label] += time.perf_counter() - start
+            if isinstance(result, Future):  # the core launches steps non-blocking: until the reply
+                result.add_done_callback(lambda _: self._add(kind, label, start))
+            else:
+                self._add(self.kind, label, start)
             return result
 
         setattr(owner, name, timed)
+
+    def _add(self, kind: str, label: str, start: float) -> None:
+        self.seconds[kind][label] += time.perf_counter() - start
 
     def reset(self) -> None:
         self.seconds.clear()
