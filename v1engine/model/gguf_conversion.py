@@ -51,8 +51,11 @@ def _content_digest(path: str, root: str) -> str:
             return digest
     except OSError:
         pass
+    sha = hashlib.sha256()
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        while chunk := f.read(1 << 22):  # not hashlib.file_digest: that needs Python 3.11
+            sha.update(chunk)
+    digest = sha.hexdigest()[:16]
     write_atomically(memo, digest)
     return digest
 
