@@ -205,6 +205,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those scheduled steps will sample: where the next step starts
+        sampling again."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
     def use_structured_output(self) -> bool:
         return self.sampling_params.structured_outputs is not None
 

@@ -160,7 +160,7 @@ def test_engine_core_schedules_the_next_step_while_the_workers_run_this_one(tmp_
         tokens: list[int] = []
 
         def run_to_completion() -> None:
-            while core.has_unfinished_requests() or core.has_steps_in_flight():
+            while core.has_work():
                 tokens.extend(t for out in core.step().outputs for t in out.new_token_ids)
 
         stepper = threading.Thread(target=run_to_completion)

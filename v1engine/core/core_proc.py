@@ -120,11 +120,10 @@ class EngineCoreProc:
         assert self.engine_core is not None
         core = self.engine_core
         while True:
-            busy = core.has_unfinished_requests() or core.has_steps_in_flight()
-            self._process_input(block=not busy)
+            self._process_input(block=not core.has_work())
             if self._should_stop:
                 return
-            if core.has_unfinished_requests() or core.has_steps_in_flight():
+            if core.has_work():
                 outputs = core.step()
                 if outputs.outputs:
                     self._send(EngineCoreOutputType.OUTPUTS, outputs)

@@ -140,9 +140,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def has_steps_in_flight(self) -> bool:
-        """Whether a step sent to the workers still has its outputs to be read by `step()`."""
-        return bool(self._in_flight)
+    def has_work(self) -> bool:
+        """Whether `step()` has anything to do: unfinished requests, or a step sent to the
+        workers whose outputs it has not read yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # -- stepping ------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

@@ -130,7 +130,7 @@ class Scheduler:
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # it samples: its token comes later
         return output
 
@@ -142,7 +142,7 @@ class Scheduler:
                 index += 1  # its in-flight token may finish it, or its grammar needs it first
                 continue
             num_new_tokens = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                request.num_tokens_with_placeholders - request.num_computed_tokens,
                 plan.token_budget,
             )
             # A running request always has a token to compute: the one its last step sampled
@@ -158,11 +158,10 @@ class Scheduler:
         """Whether a request whose sampled tokens are still in flight may be scheduled on top of
         them: not when they may already reach its length limits, and not with a grammar (its
         bitmask needs the matcher to have seen every earlier token)."""
-        num_tokens = request.num_tokens + request.num_output_placeholders
         return (
             not request.use_structured_output
             and request.num_output_tokens + request.num_output_placeholders < request.max_tokens
-            and num_tokens < self.max_model_len
+            and request.num_tokens_with_placeholders < self.max_model_len
         )
 
     def _allocate_or_preempt(

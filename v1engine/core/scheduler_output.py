@@ -81,7 +81,7 @@ def _grammar_bitmask(
         request
         for req_id, num_tokens in plan.num_scheduled_tokens.items()
         if (request := requests[req_id]).use_structured_output
-        and request.num_computed_tokens + num_tokens == request.num_tokens
+        and request.num_computed_tokens + num_tokens == request.num_tokens_with_placeholders
     ]
     if not sampling:
         return {}
