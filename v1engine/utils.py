@@ -6,6 +6,9 @@ import contextlib
 import os
 import tempfile
 
+# Derived artifacts (converted checkpoints, compiled kernels, configs), shared by every checkout.
+DEFAULT_CACHE_DIR = "~/.cache/v1engine"
+
 GiB_bytes = 1 << 30
 MiB_bytes = 1 << 20
 

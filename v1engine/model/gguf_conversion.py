@@ -21,14 +21,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from v1engine.logger import init_logger, is_rank0
-from v1engine.utils import write_atomically
+from v1engine.utils import DEFAULT_CACHE_DIR, write_atomically
 
 if TYPE_CHECKING:
     import torch
 
 logger = init_logger(__name__)
-
-DEFAULT_CACHE_DIR = "~/.cache/v1engine"
 
 
 def converted_checkpoint_dir(gguf_path: str, cache_dir: str | None = None) -> str:

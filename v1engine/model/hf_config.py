@@ -14,13 +14,12 @@ import os
 import types
 from typing import TYPE_CHECKING, Any
 
-from v1engine.model.gguf_conversion import DEFAULT_CACHE_DIR
 from v1engine.model.models.registry import (
     architecture_for_model_type,
     check_architecture,
     supported_architectures,
 )
-from v1engine.utils import write_atomically
+from v1engine.utils import DEFAULT_CACHE_DIR, write_atomically
 
 if TYPE_CHECKING:
     import torch

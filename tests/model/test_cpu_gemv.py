@@ -1,0 +1,88 @@
+"""The compiled CPU decode kernel (`cpu_gemv.c`): results, routing from `linear`, its on-disk
+cache, and that its threads are torch's."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from v1engine.model.layers import cpu_gemv
+from v1engine.model.layers.linear import linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_gemv.gemv_available(), reason="no C compiler to build the CPU decode kernel"
+)
+
+
+# Sums of up to 600 products of unit normals, added in another order than torch's.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])  # below, at and past one four-row tile
+@pytest.mark.parametrize("in_features", [1, 37, 600])  # vector lanes: none full, some, tail
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(33, in_features, generator=generator).to(dtype)
+    bias = torch.randn(33, generator=generator).to(dtype) if with_bias else None
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    out = cpu_gemv.gemv(x, weight, bias)
+    assert out.shape == (rows, 33) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_gemv_keeps_leading_dimensions():
+    x = torch.randn(2, 1, 16)
+    weight = torch.randn(8, 16)
+    out = cpu_gemv.gemv(x, weight)
+    assert out.shape == (2, 1, 8)
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_nan_stays_nan():
+    x = torch.tensor([[float("nan"), 1.0]], dtype=torch.bfloat16)
+    out = cpu_gemv.gemv(x, torch.ones(3, 2, dtype=torch.bfloat16))
+    assert torch.isnan(out).all()
+
+
+def test_linear_sends_decode_sized_inputs_to_the_kernel_and_larger_ones_elsewhere():
+    weight = torch.randn(24, 40)
+    small = torch.randn(cpu_gemv.MAX_TOKENS, 40)
+    large = torch.randn(cpu_gemv.MAX_TOKENS + 1, 40)
+    with torch.inference_mode():
+        assert torch.equal(linear(small, weight), cpu_gemv.gemv(small, weight))
+        # The kernel would give the same rows for the larger input; oneDNN sums in another order.
+        torch.testing.assert_close(linear(large, weight), F.linear(large, weight))
+    # Neither kernel has a backward: inputs that autograd records take torch's path.
+    for rows in (1, cpu_gemv.MAX_TOKENS + 1):
+        grad_input = torch.randn(rows, 40, requires_grad=True)
+        linear(grad_input, weight).sum().backward()
+        torch.testing.assert_close(grad_input.grad, weight.sum(0).expand(rows, 40))
+
+
+def test_built_once_per_cache_then_loaded(tmp_path):
+    path = cpu_gemv.build_library(str(tmp_path))
+    assert path.startswith(str(tmp_path)) and os.path.exists(path)
+    built_at = os.stat(path).st_mtime_ns
+    assert cpu_gemv.build_library(str(tmp_path)) == path
+    assert os.stat(path).st_mtime_ns == built_at
+    assert not [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")]
+
+
+def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemv.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C compiler found.*install gcc"):
+        cpu_gemv.build_library(str(tmp_path))
+    assert not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_kernel_threads_are_torchs_openmp_runtime():
+    # A second OpenMP runtime would bring its own thread pool: twice the threads on the cores.
+    cpu_gemv.gemv(torch.randn(1, 8), torch.randn(4, 8))
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
