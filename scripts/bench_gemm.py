@@ -1,7 +1,7 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
 `F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`, what `linear` uses above
-`cpu_gemv.MAX_TOKENS` rows) and our decode kernel (`cpu_gemv`, what `linear` uses up to it), at
-decode-sized and prefill-sized token counts.
+`cpu_kernels.MAX_GEMV_TOKENS` rows) and our decode kernel (`cpu_gemv.c`, what `linear` uses up to
+it), at decode-sized and prefill-sized token counts.
 
     python scripts/bench_gemm.py --repeats 5 --json gemm.json
 
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers import cpu_gemv
+from v1engine.model.layers import cpu_kernels
 
 # (name, in_features, out_features) of SmolLM2-135M's matmuls at tensor_parallel_size=1.
 SHAPES = (
@@ -41,7 +41,7 @@ def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-KERNELS = {"F.linear": F.linear, "oneDNN": onednn, "cpu_gemv": cpu_gemv.gemv}
+KERNELS = {"F.linear": F.linear, "oneDNN": onednn, "cpu_gemv": cpu_kernels.gemv}
 
 
 def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> float:
@@ -86,8 +86,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
-    if not cpu_gemv.gemv_available():
-        raise SystemExit("cpu_gemv did not build here (see the warning above)")
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernels did not build here (see the warning above)")
     torch.set_num_threads(args.threads)
     rows = []
     print(f"{args.dtype}, {args.threads} threads; per kernel: us per call, weight GB/s, GFLOP/s")

@@ -7,12 +7,13 @@ import torch
 
 from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
 from v1engine.model import parallel_state
-from v1engine.model.layers import linear
+from v1engine.model.layers import cpu_kernels, linear
 from v1engine.model.layers.attention import Attention, set_forward_context
 from v1engine.model.layers.attention_backend import (
     get_attention_backend,
     get_default_attention_backend,
 )
+from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend
 from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
 
@@ -77,12 +78,15 @@ def test_rms_norm_fuses_the_residual_add():
     torch.testing.assert_close(out, norm(x + residual))
 
 
-def test_cpu_uses_torch_backend():
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build the CPU kernels")
+def test_cpu_uses_the_cpu_backend_where_the_kernels_build(monkeypatch):
+    assert isinstance(get_default_attention_backend("cpu"), CpuAttentionBackend)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert isinstance(get_default_attention_backend("cpu"), TorchAttentionBackend)
 
 
 def test_unknown_backend_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"'flash'.*\['torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"'flash'.*\['cpu', 'torch', 'triton'\]"):
         get_attention_backend("flash")
 
 

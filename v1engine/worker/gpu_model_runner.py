@@ -29,7 +29,6 @@ from v1engine.config import EngineConfig
 from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
-from v1engine.model.layers import cpu_gemv
 from v1engine.model.layers.attention import Attention, get_attention_layers, set_forward_context
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
 from v1engine.model.layers.sampler import Sampler
@@ -99,8 +98,6 @@ class GPUModelRunner:
         self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
         self.attn_layers = get_attention_layers(self.model)
         self.attn_backend = get_default_attention_backend(self.device.type)
-        if self.device.type == "cpu":
-            cpu_gemv.gemv_available()  # build or load the decode kernel now, not in the first step
         # parameters() yields a tied weight once.
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         info_once(

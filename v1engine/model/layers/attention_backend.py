@@ -110,6 +110,7 @@ class AttentionBackend(Protocol[MetadataT]):
 # Name -> class path, imported on first use: triton must stay optional on CPU-only machines.
 _BACKENDS = {
     "torch": "v1engine.model.layers.torch_attention.TorchAttentionBackend",
+    "cpu": "v1engine.model.layers.cpu_attention_backend.CpuAttentionBackend",
     "triton": "v1engine.model.layers.triton_attention_backend.TritonAttentionBackend",
 }
 
@@ -131,10 +132,16 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def get_default_attention_backend(device_type: str) -> AttentionBackend:
-    """Triton's kernels on CUDA when triton imports, the torch backend otherwise."""
+    """Triton's kernels on CUDA when triton imports; on CPU our compiled decode kernel when it
+    builds (`cpu_kernels`); the torch backend otherwise."""
     if device_type == "cuda":
         try:
             return get_attention_backend("triton")
         except ImportError as e:
             logger.warning("Triton attention unavailable (%s); using the torch backend", e)
+    if device_type == "cpu":
+        from v1engine.model.layers import cpu_kernels  # builds the kernels on first use
+
+        if cpu_kernels.available():
+            return get_attention_backend("cpu")
     return get_attention_backend("torch")

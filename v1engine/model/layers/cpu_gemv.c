@@ -6,36 +6,16 @@
    reads each weight row once, in order, for up to four tokens at a time (four independent sums, so
    the adds do not wait on each other), and comes near it (scripts/bench_gemm.py measures both).
 
-   Compiled by cpu_gemv.py with -O3 -march=native -fopenmp. `omp simd reduction` lets the compiler
+   Compiled by cpu_kernels.py with -O3 -march=native -fopenmp. `omp simd reduction` lets the compiler
    reorder each dot product into vector lanes without -ffast-math (which, in a shared object built
    by GCC 12, would switch the whole process to flush-to-zero). The OpenMP runtime is the libgomp
    torch has already loaded, so these threads are torch's intra-op threads and
    torch.set_num_threads sizes them. Weights and activations are row-major and contiguous:
    x [M, K], w [N, K], b [N] or NULL, y [M, N]. */
 
-#include <stdint.h>
-#include <string.h>
+#include "cpu_kernels.h"
 
 #define TOKEN_TILE 4
-
-static inline float bf16_to_f32(uint16_t v)
-{
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* One weight row against every token, TOKEN_TILE tokens per pass over the row. `LOAD` turns an
    element of x or w into a float; `sums` gets one dot product per token. */
@@ -64,7 +44,6 @@ static inline uint16_t f32_to_bf16(float f)
         }                                                                                 \
     }
 
-#define AS_FLOAT(v) (v)
 DOT_ROW(float, AS_FLOAT)
 DOT_ROW(uint16_t, bf16_to_f32)
 

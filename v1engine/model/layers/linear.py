@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from v1engine.logger import init_logger
-from v1engine.model.layers import cpu_gemv
+from v1engine.model.layers import cpu_kernels
 from v1engine.model.parallel_state import (
     get_tp_rank,
     get_tp_world_size,
@@ -175,11 +175,11 @@ class RowParallelLinear(LinearBase):
 # y = x W^T + b. On CPU, torch's `F.linear` goes to MKL's sgemm, which on the AMD EPYC (AVX-512) we
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
-# or less, and our own kernel (`cpu_gemv`) comes near it (`scripts/bench_gemm.py` measures all
-# three). So on CPU, float32 and bfloat16 inputs of at most `cpu_gemv.MAX_TOKENS` rows go to that
-# kernel, larger ones through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU
-# compiler emits for linear layers), both on plain weights, so tensor-parallel shards and tied
-# embeddings need no repacking. Anywhere else, where neither is available, or where autograd
+# or less, and our own kernel (`cpu_gemv.c`) comes near it (`scripts/bench_gemm.py` measures all
+# three). So on CPU, float32 and bfloat16 inputs of at most `cpu_kernels.MAX_GEMV_TOKENS` rows go
+# to that kernel, larger ones through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's
+# own CPU compiler emits for linear layers), both on plain weights, so tensor-parallel shards and
+# tied embeddings need no repacking. Anywhere else, where neither is available, or where autograd
 # must see the op (neither kernel has a backward), `F.linear`.
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)
@@ -191,7 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x = x.contiguous()
     if _gemv_applies(x, weight, bias):
-        return cpu_gemv.gemv(x, weight, bias)
+        return cpu_kernels.gemv(x, weight, bias)
     if _onednn_linear_works():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -199,11 +199,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
-        0 < x.numel() <= cpu_gemv.MAX_TOKENS * x.shape[-1]
+        0 < x.numel() <= cpu_kernels.MAX_GEMV_TOKENS * x.shape[-1]
         and weight.dtype == x.dtype
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-        and cpu_gemv.gemv_available()
+        and cpu_kernels.available()
     )
 
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers import cpu_gemv
+from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.linear import linear
+from v1engine.model.layers.torch_attention import write_kv_cache
 
 pytestmark = pytest.mark.skipif(
-    not cpu_gemv.gemv_available(), reason="no C compiler to build the CPU decode kernel"
+    not cpu_kernels.available(), reason="no C compiler to build the CPU decode kernel"
 )
 
 
@@ -29,7 +30,7 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     weight = torch.randn(33, in_features, generator=generator).to(dtype)
     bias = torch.randn(33, generator=generator).to(dtype) if with_bias else None
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    out = cpu_gemv.gemv(x, weight, bias)
+    out = cpu_kernels.gemv(x, weight, bias)
     assert out.shape == (rows, 33) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
@@ -37,52 +38,66 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
 def test_gemv_keeps_leading_dimensions():
     x = torch.randn(2, 1, 16)
     weight = torch.randn(8, 16)
-    out = cpu_gemv.gemv(x, weight)
+    out = cpu_kernels.gemv(x, weight)
     assert out.shape == (2, 1, 8)
     torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_nan_stays_nan():
     x = torch.tensor([[float("nan"), 1.0]], dtype=torch.bfloat16)
-    out = cpu_gemv.gemv(x, torch.ones(3, 2, dtype=torch.bfloat16))
+    out = cpu_kernels.gemv(x, torch.ones(3, 2, dtype=torch.bfloat16))
     assert torch.isnan(out).all()
 
 
 def test_linear_sends_decode_sized_inputs_to_the_kernel_and_larger_ones_elsewhere():
     weight = torch.randn(24, 40)
-    small = torch.randn(cpu_gemv.MAX_TOKENS, 40)
-    large = torch.randn(cpu_gemv.MAX_TOKENS + 1, 40)
+    small = torch.randn(cpu_kernels.MAX_GEMV_TOKENS, 40)
+    large = torch.randn(cpu_kernels.MAX_GEMV_TOKENS + 1, 40)
     with torch.inference_mode():
-        assert torch.equal(linear(small, weight), cpu_gemv.gemv(small, weight))
+        assert torch.equal(linear(small, weight), cpu_kernels.gemv(small, weight))
         # The kernel would give the same rows for the larger input; oneDNN sums in another order.
         torch.testing.assert_close(linear(large, weight), F.linear(large, weight))
     # Neither kernel has a backward: inputs that autograd records take torch's path.
-    for rows in (1, cpu_gemv.MAX_TOKENS + 1):
+    for rows in (1, cpu_kernels.MAX_GEMV_TOKENS + 1):
         grad_input = torch.randn(rows, 40, requires_grad=True)
         linear(grad_input, weight).sum().backward()
         torch.testing.assert_close(grad_input.grad, weight.sum(0).expand(rows, 40))
 
 
 def test_built_once_per_cache_then_loaded(tmp_path):
-    path = cpu_gemv.build_library(str(tmp_path))
+    path = cpu_kernels.build_library(str(tmp_path))
     assert path.startswith(str(tmp_path)) and os.path.exists(path)
     built_at = os.stat(path).st_mtime_ns
-    assert cpu_gemv.build_library(str(tmp_path)) == path
+    assert cpu_kernels.build_library(str(tmp_path)) == path
     assert os.stat(path).st_mtime_ns == built_at
     assert not [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")]
 
 
 def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_gemv.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler found.*install gcc"):
-        cpu_gemv.build_library(str(tmp_path))
+        cpu_kernels.build_library(str(tmp_path))
     assert not (tmp_path / "kernels").exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_kernel_threads_are_torchs_openmp_runtime():
     # A second OpenMP runtime would bring its own thread pool: twice the threads on the cores.
-    cpu_gemv.gemv(torch.randn(1, 8), torch.randn(4, 8))
+    cpu_kernels.gemv(torch.randn(1, 8), torch.randn(4, 8))
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_strided_rows_at_their_slots(cache_dtype):
+    # K and V as the model makes them: column slices of one fused projection output.
+    fused = torch.randn(3, 4 * 8 + 2 * 2 * 8)
+    key = fused[:, 32:48].view(3, 2, 8)
+    value = fused[:, 48:].view(3, 2, 8)
+    caches = [torch.zeros(5, 4, 2, 8, dtype=cache_dtype) for _ in range(4)]
+    slots = torch.tensor([7, 0, 19])
+    cpu_kernels.write_kv(key, value, caches[0], caches[1], slots)
+    write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert all(torch.equal(ours, torch_s) for ours, torch_s in zip(caches[:2], caches[2:]))
+    assert caches[0].flatten(0, 1)[7].float().abs().sum() > 0

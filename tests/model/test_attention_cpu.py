@@ -1,0 +1,73 @@
+"""The CPU attention backend (our C decode kernel) against the torch backend, through the
+backend protocol: metadata, K/V write, attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
+from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend, CpuDecodeMetadata
+from v1engine.model.layers.torch_attention import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="no C compiler to build the CPU kernels"
+)
+
+NUM_BLOCKS = 64
+
+
+def _attend(backend, steps, num_heads, num_kv_heads, head_size, block_size, window, dtype, pad=0):
+    """One layer's step over caches pre-filled with noise (where a request's prefix would be):
+    returns (metadata, out, kv_cache)."""
+    common = build_metadata(BlockAllocator(NUM_BLOCKS, block_size, seed=1), steps, pad)
+    generator = torch.Generator().manual_seed(7)
+    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_size)
+    kv_cache = tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    key, value = torch.randn(2, common.num_tokens, num_kv_heads, head_size, generator=generator)
+    query = torch.randn(common.num_tokens, num_heads, head_size, generator=generator).to(dtype)
+    metadata = backend.build_metadata(common, attention_spec(kv_cache[0], window))
+    backend.write_kv_cache(key.to(dtype), value.to(dtype), kv_cache, metadata)
+    return metadata, backend.forward(query, kv_cache, metadata, head_size**-0.5, window), kv_cache
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_steps_match_the_torch_backend(
+    dtype, tol, num_heads, num_kv_heads, window, block_size
+):
+    # Decodes of many lengths: one key, within one block, across blocks, past the window.
+    steps = [(r, n, 1) for r, n in enumerate([0, 3, 4, 17, 40, 2, 9])]
+    args = (steps, num_heads, num_kv_heads, 8, block_size, window, dtype)
+    metadata, out, kv_cache = _attend(CpuAttentionBackend(), *args)
+    assert isinstance(metadata, CpuDecodeMetadata)
+    _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
+
+
+@pytest.mark.parametrize(
+    "steps,pad",
+    [([(0, 0, 6), (1, 3, 1)], 0), ([(0, 3, 1), (1, 5, 1)], 2)],
+    ids=["with-a-prefill", "with-padding"],
+)
+def test_other_steps_take_the_torch_backends_path(steps, pad):
+    args = (steps, 4, 2, 8, 4, None, torch.float32)
+    metadata, out, _ = _attend(CpuAttentionBackend(), *args, pad=pad)
+    assert not isinstance(metadata, CpuDecodeMetadata)
+    torch.testing.assert_close(out, _attend(TorchAttentionBackend(), *args, pad=pad)[1])
+
+
+def test_a_float32_query_over_a_bfloat16_cache():
+    common = build_metadata(BlockAllocator(NUM_BLOCKS, 4), [(0, 6, 1), (1, 2, 1)])
+    kv_cache = tuple(torch.randn(NUM_BLOCKS, 4, 2, 8).bfloat16() for _ in range(2))
+    query = torch.randn(2, 4, 8)
+    results = []
+    for backend in (CpuAttentionBackend(), TorchAttentionBackend()):
+        metadata = backend.build_metadata(common, attention_spec(kv_cache[0]))
+        results.append(backend.forward(query, kv_cache, metadata, 0.3, None))
+    assert results[0].dtype == torch.float32
+    torch.testing.assert_close(results[0], results[1], atol=2e-2, rtol=2e-2)
