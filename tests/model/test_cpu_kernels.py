@@ -1,5 +1,6 @@
-"""The compiled CPU decode kernel (`cpu_gemv.c`): results, routing from `linear`, its on-disk
-cache, and that its threads are torch's."""
+"""Our compiled CPU kernels (`cpu_kernels`): the matmul and RMSNorm against torch and transformers,
+the K/V write, routing from `linear`, the on-disk cache, and that their threads are torch's. (The
+decode attention kernel is tested through its backend, test_attention_cpu.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.linear import linear
 from v1engine.model.layers.torch_attention import write_kv_cache
 
@@ -101,3 +103,22 @@ def test_write_kv_stores_strided_rows_at_their_slots(cache_dtype):
     write_kv_cache(key, value, caches[2], caches[3], slots)
     assert all(torch.equal(ours, torch_s) for ours, torch_s in zip(caches[:2], caches[2:]))
     assert caches[0].flatten(0, 1)[7].float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 70])  # 70: the kernel's multi-threaded path
+def test_rms_norm_matches_transformers(dtype, tol, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(rows)
+    reference = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    reference.weight.data = (torch.rand(48, generator=generator) + 0.5).to(dtype)
+    norm = RMSNorm(48, eps=1e-5).to(dtype)
+    norm.weight.data = reference.weight.data.clone()
+    x, residual = (torch.randn(rows, 48, generator=generator).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        assert cpu_kernels.applies(x, residual, norm.weight)
+        out, total = norm(x, residual)
+        torch.testing.assert_close(total, x + residual)
+        torch.testing.assert_close(out, reference(x + residual), atol=tol, rtol=tol)
+        torch.testing.assert_close(norm(x), reference(x), atol=tol, rtol=tol)

@@ -32,7 +32,9 @@ logger = init_logger(__name__)
 # From about eight tokens on oneDNN's GEMM is as fast or faster (scripts/bench_gemm.py).
 MAX_GEMV_TOKENS = 4
 _HERE = os.path.dirname(__file__)
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("cpu_gemv.c", "cpu_decode_attention.c"))
+SOURCES = tuple(
+    os.path.join(_HERE, f) for f in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_rms_norm.c")
+)
 HEADERS = (os.path.join(_HERE, "cpu_kernels.h"),)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
@@ -43,12 +45,26 @@ _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 class _Kernels:
     gemv: dict[torch.dtype, ctypes._CFuncPtr]
     decode_attention: dict[torch.dtype, ctypes._CFuncPtr]
+    rms_norm: dict[torch.dtype, ctypes._CFuncPtr]
     write_kv: ctypes._CFuncPtr | None = None
 
 
 def available() -> bool:
     """Whether the kernels built, loaded and agree with torch in this process."""
     return _kernels() is not None
+
+
+def applies(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel may take these inputs: CPU tensors of one dtype the kernels read, none
+    that autograd records (the kernels have no backward), and the kernels available."""
+    present = [t for t in tensors if t is not None]
+    dtype = present[0].dtype
+    return (
+        dtype in _SUFFIXES
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in present)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+        and available()
+    )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +101,14 @@ def decode_attention(
     )
 
 
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(x + residual) * weight, x + residual), or (RMSNorm(x) * weight, None) without a
+    residual, as layernorm.py computes them; x, residual [..., hidden] of weight's dtype."""
+    return _rms_norm(_loaded().rms_norm[x.dtype], x, residual, weight, eps)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -113,6 +137,25 @@ def write_kv(
 def _with_contiguous_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     t = t.to(dtype)
     return t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous()
+
+
+def _rms_norm(kernel, x, residual, weight, eps):
+    hidden = x.shape[-1]
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    out = torch.empty_like(x)
+    total = None if residual is None else torch.empty_like(x)
+    kernel(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        None if total is None else total.data_ptr(),
+        out.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+    )
+    return out, total
 
 
 def _gemv(kernel: ctypes._CFuncPtr, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -171,7 +214,7 @@ def _kernels() -> _Kernels | None:
         logger.warning("CPU decode kernels unavailable; using oneDNN and torch attention: %s", e)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_long
-    kernels = _Kernels({}, {}, _function(library, "v1e_write_kv", [pointer] * 5 + [size] * 4))
+    kernels = _Kernels({}, {}, {}, _function(library, "v1e_write_kv", [pointer] * 5 + [size] * 4))
     for dtype, suffix in _SUFFIXES.items():
         kernels.gemv[dtype] = _function(library, f"v1e_gemv_{suffix}", [pointer] * 4 + [size] * 3)
         kernels.decode_attention[dtype] = _function(
@@ -179,6 +222,9 @@ def _kernels() -> _Kernels | None:
             f"v1e_decode_attention_{suffix}",
             [pointer] * 6 + [size] * 7 + [ctypes.c_float],
             ctypes.c_int,
+        )
+        kernels.rms_norm[dtype] = _function(
+            library, f"v1e_rms_norm_{suffix}", [pointer] * 5 + [size] * 2 + [ctypes.c_float]
         )
     return kernels if _agrees_with_torch(kernels) else None
 
@@ -254,6 +300,14 @@ def _agrees_with_torch(kernels: _Kernels) -> bool:
             out = _gemv(kernels.gemv[dtype], x.to(dtype), weight.to(dtype), bias.to(dtype))
             if not _close(out, F.linear(x, weight, bias), tolerance, "gemv", dtype):
                 return False
+        x, residual = torch.randn(2, 2, 37, generator=generator)
+        weight = torch.rand(37, generator=generator) + 0.5
+        out, total = _rms_norm(
+            kernels.rms_norm[dtype], x.to(dtype), residual.to(dtype), weight.to(dtype), 1e-5
+        )
+        expected = _reference_rms_norm((x + residual).to(dtype), weight.to(dtype), 1e-5)
+        if not _close(out, expected, tolerance, "RMSNorm", dtype):
+            return False
         for window in (None, 3):
             case = _attention_probe(generator, dtype)
             out = _decode_attention(kernels.decode_attention[dtype], *case, 0.3, window)
@@ -268,6 +322,11 @@ def _close(out: torch.Tensor, expected: torch.Tensor, tolerance: float, name: st
         return True
     logger.warning("CPU %s kernel disagrees with torch (%s); the kernels are not used", name, dtype)
     return False
+
+
+def _reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _attention_probe(generator: torch.Generator, dtype: torch.dtype) -> tuple:

@@ -1,10 +1,13 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer. On CPU
+both run as one compiled kernel (`cpu_rms_norm.c`) where it is available, with the same
+arithmetic; torch's six small ops otherwise."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from v1engine.model.layers import cpu_kernels
 from v1engine.model.weight_utils import default_weight_loader
 
 
@@ -25,6 +28,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with `residual`: (norm(x + residual), x + residual) for the next add."""
+        if cpu_kernels.applies(x, residual, self.weight):
+            out, total = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, total)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -200,10 +200,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         0 < x.numel() <= cpu_kernels.MAX_GEMV_TOKENS * x.shape[-1]
-        and weight.dtype == x.dtype
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-        and cpu_kernels.available()
+        and (bias is None or bias.is_contiguous())
+        and cpu_kernels.applies(x, weight, bias)
     )
 
 
