@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers import cpu_kernel_library, cpu_kernels
 from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.linear import linear
 from v1engine.model.layers.torch_attention import write_kv_cache
@@ -67,18 +67,18 @@ def test_linear_sends_decode_sized_inputs_to_the_kernel_and_larger_ones_elsewher
 
 
 def test_built_once_per_cache_then_loaded(tmp_path):
-    path = cpu_kernels.build_library(str(tmp_path))
+    path = cpu_kernel_library.build_library(str(tmp_path))
     assert path.startswith(str(tmp_path)) and os.path.exists(path)
     built_at = os.stat(path).st_mtime_ns
-    assert cpu_kernels.build_library(str(tmp_path)) == path
+    assert cpu_kernel_library.build_library(str(tmp_path)) == path
     assert os.stat(path).st_mtime_ns == built_at
     assert not [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")]
 
 
 def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernel_library.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler found.*install gcc"):
-        cpu_kernels.build_library(str(tmp_path))
+        cpu_kernel_library.build_library(str(tmp_path))
     assert not (tmp_path / "kernels").exists()
 
 
@@ -122,3 +122,39 @@ def test_rms_norm_matches_transformers(dtype, tol, rows):
         torch.testing.assert_close(total, x + residual)
         torch.testing.assert_close(out, reference(x + residual), atol=tol, rtol=tol)
         torch.testing.assert_close(norm(x), reference(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_rotary_matches_transformers_on_views_of_the_fused_qkv(dtype, tol, tokens):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 16, generator=generator).to(dtype)
+    query, key = qkv[:, :64].view(tokens, 4, 16), qkv[:, 64:96].view(tokens, 2, 16)
+    angles = torch.rand(tokens, 1, 8, generator=generator) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    with torch.inference_mode():
+        assert cpu_kernels.applies(query, key, cos, sin)
+        out = cpu_kernels.rotary(query, key, cos, sin)
+    # transformers: [batch, heads, tokens, D] with cos/sin [batch, tokens, D].
+    expected = apply_rotary_pos_emb(
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        cos.transpose(0, 1),
+        sin.transpose(0, 1),
+    )
+    for ours, theirs in zip(out, expected):
+        torch.testing.assert_close(ours, theirs[0].transpose(0, 1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_silu_and_mul_matches_torch(dtype, tol, tokens):
+    gate_up = (torch.randn(tokens, 2 * 40, generator=torch.Generator().manual_seed(0)) * 4).to(
+        dtype
+    )
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.inference_mode():
+        out = cpu_kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, atol=tol, rtol=tol)

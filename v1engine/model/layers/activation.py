@@ -1,4 +1,5 @@
-"""Gated activations applied to the merged gate/up projection."""
+"""Gated activations applied to the merged gate/up projection (on CPU one compiled kernel,
+`cpu_elementwise.c`, where it is available)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1engine.model.layers import cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """[num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.applies(x):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,7 +1,8 @@
 """Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3/linear scaling.
 
 cos/sin are precomputed for every position up to `max_position` in float32, with the same
-arithmetic HF uses per step, so results match transformers bit for bit in float32.
+arithmetic HF uses per step, so results match transformers bit for bit in float32. On CPU the
+rotation runs as one compiled kernel (`cpu_elementwise.c`) where it is available.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from v1engine.model.layers import cpu_kernels
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -89,6 +92,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query/key [num_tokens, num_heads, head_size] -> rotated, with `cos_sin(positions)`."""
         cos, sin = cos_sin
+        if cpu_kernels.applies(query, key, cos, sin):
+            return cpu_kernels.rotary(query, key, cos, sin)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         return query, key

@@ -1,0 +1,117 @@
+"""Building and loading the CPU kernels' shared library (the C files next to this module).
+
+The library is compiled on first use with the system C compiler for this CPU (`-march=native`)
+into `~/.cache/v1engine/kernels/cpu_kernels-<hash>.so`, named by the sources, the flags and the
+CPU's feature flags, so every process and every later start loads the same file (building takes
+about a second). OpenMP in the kernels resolves to the libgomp torch has already loaded (same
+soname), so their threads are torch's intra-op threads and `torch.set_num_threads` sizes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from v1engine.logger import init_logger
+from v1engine.utils import DEFAULT_CACHE_DIR
+
+logger = init_logger(__name__)
+
+_HERE = os.path.dirname(__file__)
+SOURCES = tuple(
+    os.path.join(_HERE, name)
+    for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_rms_norm.c", "cpu_elementwise.c")
+)
+HEADERS = (os.path.join(_HERE, "cpu_kernels.h"),)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+# The dtypes every typed kernel exists for, and the suffix of its C name (v1e_<name>_<suffix>).
+KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _N, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+# name -> (argument types, return type), as the C files declare them.
+_TYPED = {
+    "gemv": ([_P] * 4 + [_N] * 3, None),
+    "decode_attention": ([_P] * 6 + [_N] * 7 + [_F], ctypes.c_int),
+    "rms_norm": ([_P] * 5 + [_N] * 2 + [_F], None),
+    "rotary": ([_P] * 6 + [_N] * 6, None),
+    "silu_and_mul": ([_P] * 2 + [_N] * 2, None),
+}
+_UNTYPED = {"write_kv": ([_P] * 5 + [_N] * 4, None)}
+
+
+@functools.cache
+def load_kernels() -> dict[str, ctypes._CFuncPtr] | None:
+    """C name without its `v1e_` prefix -> function; None (with a warning) if it cannot build."""
+    try:
+        library = ctypes.CDLL(build_library())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU decode kernels unavailable; using torch and oneDNN: %s", e)
+        return None
+    signatures = dict(_UNTYPED)
+    for name, signature in _TYPED.items():
+        signatures.update({f"{name}_{suffix}": signature for suffix in KERNEL_DTYPES.values()})
+    kernels = {}
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(library, f"v1e_{name}")
+        function.argtypes, function.restype = argtypes, restype
+        kernels[name] = function
+    return kernels
+
+
+def build_library(cache_dir: str | None = None) -> str:
+    """The path of the compiled kernels, compiling them unless this CPU already has them cached."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read() + b"\0")
+    digest.update(f"{' '.join(CFLAGS)}\0{_cpu_identity()}".encode())
+    root = os.path.join(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR), "kernels")
+    path = os.path.join(root, f"cpu_kernels-{digest.hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        _compile(root, path)
+    return path
+
+
+def _compile(root: str, path: str) -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (install gcc to get the faster decode kernels)")
+    os.makedirs(root, exist_ok=True)
+    # Build beside the target and rename: workers starting together each build, one rename wins,
+    # and no process ever loads a half-written file.
+    fd, temp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *CFLAGS, *SOURCES, "-lm", "-o", temp],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed to build {SOURCES}:\n{result.stderr[-2000:]}")
+        os.replace(temp, path)
+        logger.info("Compiled the CPU decode kernels into %s", path)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` depends on: the architecture and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags.strip()}"
