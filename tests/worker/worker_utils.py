@@ -137,7 +137,7 @@ def worker_spin_count(worker: Any) -> str | None:
 def expected_spin_count() -> str | None:
     """What worker_spin_count gives in a worker started from this process: OpenMP barriers spin
     briefly, then sleep (worker_proc.worker_env_defaults says why), unless the user chose."""
-    return os.environ.get("GOMP_SPINCOUNT", None if "OMP_WAIT_POLICY" in os.environ else "1000")
+    return os.environ.get("GOMP_SPINCOUNT", None if "OMP_WAIT_POLICY" in os.environ else "10000")
 
 
 # -- driving with the real scheduler -------------------------------------------------------------

@@ -33,15 +33,17 @@ SHUTDOWN = "__v1engine_worker_shutdown__"
 ORPHAN_CLEAN_UP_GRACE_S = 1.0
 
 # The worker process's OpenMP waits. Every parallel op (matmul, attention, norm) ends in a barrier,
-# where libgomp (the OpenMP of PyTorch's Linux wheels) spins up to 300,000 times, about 3 ms,
-# before it sleeps. On cores another process also wants, the peer a thread waits for is often
+# where libgomp (the OpenMP of PyTorch's Linux wheels) spins up to 300,000 times, a few ms, before
+# it sleeps. On cores another process also wants, the peer a thread waits for is often
 # descheduled, and each of a step's hundreds of barriers burns a time slice: with one busy process
-# per core, batch-1 decode steps took 4x (up to 30x while a compiler also ran) their idle time.
-# Spinning 1,000 times (about 10 us) brings that to 2-2.5x at batch 1 and 64, and costs 5-10% of
-# the idle-machine step time (measured with `scripts/profile_steps.py --busy`). A user's own
-# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (GOMP_SPINCOUNT=300000 restores libgomp's default, for
-# a machine of one's own).
-_WORKER_SPIN_COUNT = "1000"
+# per core, batch-1 decode ran 3.7x slower than idle. Sleeping too soon costs the other way: a
+# slept thread takes tens of microseconds to wake, and a batch-1 decode step starts ~120 parallel
+# matmuls with ~20-150 us of single-threaded work between them. Measured with
+# `scripts/profile_steps.py --busy` (batch 1, float32, our CPU kernels): 1,000 spins gave 25
+# tok/s idle, 1.3x slower busy; 10,000 spins (about 0.2 ms) 31.5-33.6 tok/s idle, 2.0-2.1x slower
+# busy; 300,000 gave 35.9 idle, 3.7x busy. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
+# (GOMP_SPINCOUNT=300000 restores libgomp's default, for a machine of one's own).
+_WORKER_SPIN_COUNT = "10000"
 
 
 def worker_env_defaults() -> dict[str, str]:
