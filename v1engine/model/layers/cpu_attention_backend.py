@@ -19,9 +19,8 @@ import torch
 from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVCache
+from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,7 @@ def _kernel_applies(common: CommonAttentionMetadata, kv_cache_spec: AttentionSpe
         and common.num_tokens == common.num_reqs
         and bool((common.slot_mapping >= 0).all())
         and common.block_table.device.type == "cpu"
-        and kv_cache_spec.dtype in _KERNEL_DTYPES
+        and kv_cache_spec.dtype in KERNEL_DTYPES
         and kv_cache_spec.head_size_v == kv_cache_spec.head_size
         and cpu_kernels.available()
     )
