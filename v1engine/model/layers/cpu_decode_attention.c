@@ -15,8 +15,8 @@
    KV head h / (num_heads / num_kv_heads).
 
    q [S, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_table [S, table_stride]
-   int32; seq_lens [S] int32, each >= 1; out [S, H, D]. Built with cpu_gemv.c into one library
-   (cpu_kernels.py); returns nonzero if a score buffer could not be allocated. */
+   int32; seq_lens [S] int32, each >= 1; out [S, H, D]. Built with the other kernels into one
+   library (cpu_kernel_library.py); returns nonzero if a score buffer could not be allocated. */
 
 #include <math.h>
 #include <stdlib.h>

@@ -1,7 +1,8 @@
 /* The decoder layer's two elementwise steps, each one pass per token instead of torch's several
    small ops: neox-style rotary embedding of q and k, and SiLU(gate) * up. The arithmetic and its
    roundings are rotary_embedding.py's and activation.py's (HF's): in bfloat16 every product and
-   sum is rounded to bfloat16 where torch rounds it. Built into cpu_kernels.py's library. */
+   sum is rounded to bfloat16 where torch rounds it. Built into one library by
+   cpu_kernel_library.py. */
 
 #include <math.h>
 

@@ -1,4 +1,4 @@
-/* What the CPU kernels (cpu_gemv.c, cpu_decode_attention.c) share: bfloat16 <-> float32. A
+/* What every CPU kernel (the C files here) shares: bfloat16 <-> float32, float loads. A
    bfloat16 is the top half of a float32; kernels compute in float32 and round once on store. */
 
 #ifndef V1ENGINE_CPU_KERNELS_H

@@ -4,7 +4,8 @@
    The arithmetic is layernorm.py's (HF's): sum = x + residual in the model dtype (stored, for the
    next layer's add), statistics in float32, the normalized row cast to the model dtype, then
    times the weight, rounded to the model dtype. x, residual, sum, out: [rows, hidden]; residual
-   and sum may be NULL (no add); weight [hidden]. Built into cpu_kernels.py's library. */
+   and sum may be NULL (no add); weight [hidden]. Built into one library by
+   cpu_kernel_library.py. */
 
 #include <math.h>
 
