@@ -5,9 +5,9 @@
    task reads its keys block by block, each block one contiguous run of memory, and asks for the
    rows PREFETCH_AHEAD positions ahead before it needs them: the keys of a decode step come from
    DRAM (the weights streamed since the last step evicted them), and without the prefetch the
-   reads wait on memory latency (about 2x slower here). Two passes over the visible keys: scores
-   and their maximum per query head, then exp-weights and the weighted sum of values, so the
-   softmax is exact (no running rescale).
+   reads wait on memory latency (about 2x slower here). Two passes over the visible keys: scores,
+   their maximum and the softmax per query head, then the weighted sum of values, so the softmax
+   is exact (no running rescale).
 
    The layout contract is attention_backend.py's: key position p of sequence s lives in block
    block_table[s, p / block_size] at offset p % block_size; the query sits at seq_lens[s] - 1 and
@@ -41,21 +41,20 @@ static inline void prefetch_row(const void *row, long bytes)
     for (long b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
 }
 
+/* Per sequence: `_probabilities` turns the query and the visible keys into softmax weights
+   (scores[h * n + i] for query head h and the i-th visible key), `_weighted_values` sums the
+   values with them into the output. */
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                 \
-    static void NAME##_sequence(const T *q, const T *k_cache, const T *v_cache,                \
-                                const int32_t *table, long seq_len, T *out,                    \
-                                const struct attention_shape *sh, float *scores)               \
+    static void NAME##_probabilities(const T *q, const T *k_cache, const int32_t *table,       \
+                                     long first, long n, const struct attention_shape *sh,     \
+                                     float *scores)                                            \
     {                                                                                          \
         const long H = sh->num_heads, D = sh->head_size, bs = sh->block_size;                  \
         const long G = H / sh->num_kv_heads, row = sh->num_kv_heads * D;                       \
-        const long first = sh->window > 0 && seq_len > sh->window ? seq_len - sh->window : 0;  \
-        const long n = seq_len - first;                                                        \
-        float qf[H][D], acc[H][D], best[H], total[H];                                          \
+        float qf[H][D], best[H];                                                               \
         for (long h = 0; h < H; h++) {                                                         \
             for (long d = 0; d < D; d++) qf[h][d] = LOAD(q[h * D + d]);                        \
-            memset(acc[h], 0, sizeof acc[h]);                                                  \
             best[h] = -INFINITY;                                                               \
-            total[h] = 0.f;                                                                    \
         }                                                                                      \
         for (long i = 0; i < n; i++) {                                                         \
             if (i + PREFETCH_AHEAD < n)                                                        \
@@ -67,17 +66,25 @@ static inline void prefetch_row(const void *row, long bytes)
                 float s = 0.f;                                                                 \
                 _Pragma("omp simd reduction(+:s)")                                             \
                 for (long d = 0; d < D; d++) s += qf[h][d] * LOAD(kh[d]);                      \
-                s *= sh->scale;                                                                \
-                scores[h * n + i] = s;                                                         \
-                if (s > best[h]) best[h] = s;                                                  \
+                scores[h * n + i] = s * sh->scale;                                             \
+                if (scores[h * n + i] > best[h]) best[h] = scores[h * n + i];                  \
             }                                                                                  \
         }                                                                                      \
-        for (long h = 0; h < H; h++)                                                           \
-            for (long i = 0; i < n; i++) {                                                     \
-                float p = expf(scores[h * n + i] - best[h]);                                   \
-                scores[h * n + i] = p;                                                         \
-                total[h] += p;                                                                 \
-            }                                                                                  \
+        for (long h = 0; h < H; h++) {                                                         \
+            float total = 0.f, *p = scores + h * n;                                            \
+            for (long i = 0; i < n; i++) total += p[i] = expf(p[i] - best[h]);                 \
+            for (long i = 0; i < n; i++) p[i] /= total;                                        \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static void NAME##_weighted_values(const T *v_cache, const int32_t *table, long first,     \
+                                       long n, const struct attention_shape *sh,               \
+                                       const float *probabilities, T *out)                     \
+    {                                                                                          \
+        const long H = sh->num_heads, D = sh->head_size, bs = sh->block_size;                  \
+        const long G = H / sh->num_kv_heads, row = sh->num_kv_heads * D;                       \
+        float acc[H][D];                                                                       \
+        memset(acc, 0, sizeof acc);                                                            \
         for (long i = 0; i < n; i++) {                                                         \
             if (i + PREFETCH_AHEAD < n)                                                        \
                 prefetch_row(v_cache + cache_row(table, first + i + PREFETCH_AHEAD, bs) * row, \
@@ -85,13 +92,22 @@ static inline void prefetch_row(const void *row, long bytes)
             const T *value = v_cache + cache_row(table, first + i, bs) * row;                  \
             for (long h = 0; h < H; h++) {                                                     \
                 const T *vh = value + (h / G) * D;                                             \
-                float p = scores[h * n + i];                                                   \
+                float p = probabilities[h * n + i];                                            \
                 _Pragma("omp simd")                                                            \
                 for (long d = 0; d < D; d++) acc[h][d] += p * LOAD(vh[d]);                     \
             }                                                                                  \
         }                                                                                      \
         for (long h = 0; h < H; h++)                                                           \
-            for (long d = 0; d < D; d++) out[h * D + d] = STORE(acc[h][d] / total[h]);         \
+            for (long d = 0; d < D; d++) out[h * D + d] = STORE(acc[h][d]);                    \
+    }                                                                                          \
+                                                                                               \
+    static void NAME##_sequence(const T *q, const T *k_cache, const T *v_cache,                \
+                                const int32_t *table, long seq_len, T *out,                    \
+                                const struct attention_shape *sh, float *scores)               \
+    {                                                                                          \
+        const long first = sh->window > 0 && seq_len > sh->window ? seq_len - sh->window : 0;  \
+        NAME##_probabilities(q, k_cache, table, first, seq_len - first, sh, scores);           \
+        NAME##_weighted_values(v_cache, table, first, seq_len - first, sh, scores, out);       \
     }                                                                                          \
                                                                                                \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,      \
