@@ -84,7 +84,7 @@ class EngineTimer:
             if isinstance(result, Future):  # the core launches steps non-blocking: until the reply
                 result.add_done_callback(lambda _: self._add(kind, label, start))
             else:
-                self._add(self.kind, label, start)
+                self._add(kind, label, start)
             return result
 
         setattr(owner, name, timed)

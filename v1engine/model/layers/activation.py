@@ -10,11 +10,16 @@ from torch import nn
 from v1engine.model.layers import cpu_kernels
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up, in torch ops."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
     """[num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.applies(x):
             return cpu_kernels.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -25,6 +25,7 @@ import torch
 
 from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.logger import init_logger
+from v1engine.model.layers import cpu_kernels
 
 logger = init_logger(__name__)
 
@@ -139,9 +140,6 @@ def get_default_attention_backend(device_type: str) -> AttentionBackend:
             return get_attention_backend("triton")
         except ImportError as e:
             logger.warning("Triton attention unavailable (%s); using the torch backend", e)
-    if device_type == "cpu":
-        from v1engine.model.layers import cpu_kernels  # builds the kernels on first use
-
-        if cpu_kernels.available():
-            return get_attention_backend("cpu")
+    if device_type == "cpu" and cpu_kernels.available():  # builds them on first use
+        return get_attention_backend("cpu")
     return get_attention_backend("torch")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVCache
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
@@ -30,7 +30,7 @@ class CpuDecodeMetadata:
     slot_mapping: torch.Tensor  # [num_reqs] int64
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, contiguous
     seq_lens: torch.Tensor  # [num_reqs] int32, contiguous
-    sliding_window: int | None
+    # No window here: the kernel takes the layer's at call time (no plan depends on it).
 
 
 class CpuAttentionBackend:
@@ -46,14 +46,10 @@ class CpuAttentionBackend:
     ) -> CpuDecodeMetadata | TorchAttentionMetadata:
         if not _kernel_applies(common, kv_cache_spec):
             return self._torch.build_metadata(common, kv_cache_spec)
-        window = None
-        if isinstance(kv_cache_spec, SlidingWindowSpec):
-            window = kv_cache_spec.sliding_window
         return CpuDecodeMetadata(
             common.slot_mapping.to(torch.int64).contiguous(),
             common.block_table[: common.num_reqs].to(torch.int32).contiguous(),
             common.seq_lens.to(torch.int32).contiguous(),
-            window,
         )
 
     def write_kv_cache(
@@ -78,7 +74,6 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         if not isinstance(metadata, CpuDecodeMetadata):
             return self._torch.forward(query, kv_cache, metadata, scale, sliding_window)
-        assert sliding_window == metadata.sliding_window, (sliding_window, metadata)
         cache_dtype = kv_cache[0].dtype
         out = cpu_kernels.decode_attention(
             query.to(cache_dtype).contiguous(),

@@ -30,15 +30,23 @@ struct attention_shape {
     float scale;
 };
 
-/* The cache row of position `pos` (row = KVH * D elements). */
-static inline long cache_row(const int32_t *table, long pos, long block_size)
+/* Position `pos`'s cache row (KVH * D elements, `row_bytes` bytes), through the block table. */
+static inline const char *row_at(const char *cache, const int32_t *table, long pos,
+                                 long block_size, long row_bytes)
 {
-    return (long)table[pos / block_size] * block_size + pos % block_size;
+    return cache + ((long)table[pos / block_size] * block_size + pos % block_size) * row_bytes;
 }
 
-static inline void prefetch_row(const void *row, long bytes)
+/* The i-th visible position's row (position first + i), having asked for the row PREFETCH_AHEAD
+   positions later, which the caller reads next. */
+static inline const void *row_ahead(const void *cache, const int32_t *table, long first, long i,
+                                    long n, long block_size, long row_bytes)
 {
-    for (long b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
+    if (i + PREFETCH_AHEAD < n) {
+        const char *next = row_at(cache, table, first + i + PREFETCH_AHEAD, block_size, row_bytes);
+        for (long b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b);
+    }
+    return row_at(cache, table, first + i, block_size, row_bytes);
 }
 
 /* Per sequence: `_probabilities` turns the query and the visible keys into softmax weights
@@ -57,10 +65,7 @@ static inline void prefetch_row(const void *row, long bytes)
             best[h] = -INFINITY;                                                               \
         }                                                                                      \
         for (long i = 0; i < n; i++) {                                                         \
-            if (i + PREFETCH_AHEAD < n)                                                        \
-                prefetch_row(k_cache + cache_row(table, first + i + PREFETCH_AHEAD, bs) * row, \
-                             row * sizeof(T));                                                 \
-            const T *key = k_cache + cache_row(table, first + i, bs) * row;                    \
+            const T *key = row_ahead(k_cache, table, first, i, n, bs, row * sizeof(T));        \
             for (long h = 0; h < H; h++) {                                                     \
                 const T *kh = key + (h / G) * D;                                               \
                 float s = 0.f;                                                                 \
@@ -86,10 +91,7 @@ static inline void prefetch_row(const void *row, long bytes)
         float acc[H][D];                                                                       \
         memset(acc, 0, sizeof acc);                                                            \
         for (long i = 0; i < n; i++) {                                                         \
-            if (i + PREFETCH_AHEAD < n)                                                        \
-                prefetch_row(v_cache + cache_row(table, first + i + PREFETCH_AHEAD, bs) * row, \
-                             row * sizeof(T));                                                 \
-            const T *value = v_cache + cache_row(table, first + i, bs) * row;                  \
+            const T *value = row_ahead(v_cache, table, first, i, n, bs, row * sizeof(T));      \
             for (long h = 0; h < H; h++) {                                                     \
                 const T *vh = value + (h / G) * D;                                             \
                 float p = probabilities[h * n + i];                                            \

@@ -49,21 +49,23 @@ _UNTYPED = {"write_kv": ([_P] * 5 + [_N] * 4, None)}
 
 
 @functools.cache
-def load_kernels() -> dict[str, ctypes._CFuncPtr] | None:
-    """C name without its `v1e_` prefix -> function; None (with a warning) if it cannot build."""
+def load_kernels() -> dict[tuple[str, torch.dtype | None], ctypes._CFuncPtr] | None:
+    """(name, dtype) -> the C function `v1e_<name>[_<dtype suffix>]` (dtype None for the untyped
+    ones); None, with a warning, if the library cannot be built or loaded."""
     try:
         library = ctypes.CDLL(build_library())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode kernels unavailable; using torch and oneDNN: %s", e)
         return None
-    signatures = dict(_UNTYPED)
+    symbols = {(name, None): (f"v1e_{name}", sig) for name, sig in _UNTYPED.items()}
     for name, signature in _TYPED.items():
-        signatures.update({f"{name}_{suffix}": signature for suffix in KERNEL_DTYPES.values()})
+        for dtype, suffix in KERNEL_DTYPES.items():
+            symbols[name, dtype] = (f"v1e_{name}_{suffix}", signature)
     kernels = {}
-    for name, (argtypes, restype) in signatures.items():
-        function = getattr(library, f"v1e_{name}")
+    for key, (symbol, (argtypes, restype)) in symbols.items():
+        function = getattr(library, symbol)
         function.argtypes, function.restype = argtypes, restype
-        kernels[name] = function
+        kernels[key] = function
     return kernels
 
 

@@ -1,7 +1,8 @@
-"""Each CPU kernel against plain torch on small inputs, once per process, before any is used: a
-library that builds but computes wrongly here (a compiler or CPU quirk) must not serve a model.
-The inputs cover each kernel's branches (a single matmul row and the four-row tiles, a sliding
-window, shuffled blocks, grouped query heads, both dtypes)."""
+"""Each CPU kernel against the torch code it replaces (the layers' own torch paths; a dense
+reference for attention) on small inputs, once per process, before any is used: a library that
+builds but computes wrongly here (a compiler or CPU quirk) must not serve a model. The inputs
+cover each kernel's branches (a single matmul row and the four-row tiles, a sliding window,
+shuffled blocks, grouped query heads, both dtypes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from v1engine.logger import init_logger
-from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers import activation, cpu_kernels, layernorm, rotary_embedding
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 
 logger = init_logger(__name__)
@@ -41,34 +42,21 @@ def _cases(generator: torch.Generator, dtype: torch.dtype):
         yield "gemv", cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias)
     x, residual, weight = randn(2, 37), randn(2, 37), randn(37)
     out, total = cpu_kernels.rms_norm(x, residual, weight, 1e-5)
-    yield "rms_norm", out, _rms_norm(x + residual, weight, 1e-5)
+    yield "rms_norm", out, layernorm.rms_norm(x + residual, weight, 1e-5)
     query, key, angles = randn(3, 4, 8), randn(3, 2, 8), torch.rand(3, 1, 8, generator=generator)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     yield (
         "rotary",
         torch.cat(cpu_kernels.rotary(query, key, cos, sin), 1),
-        torch.cat(
-            [query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin], 1
-        ),
+        torch.cat(rotary_embedding.rotate(query, key, cos, sin), 1),
     )
     gate_up = randn(3, 10)
-    gate, up = gate_up.chunk(2, dim=-1)
-    yield "silu_and_mul", cpu_kernels.silu_and_mul(gate_up), F.silu(gate) * up
+    yield "silu_and_mul", cpu_kernels.silu_and_mul(gate_up), activation.silu_and_mul(gate_up)
     for window in (None, 3):
         query, kv_cache, block_table, seq_lens = _attention_case(randn)
         out = cpu_kernels.decode_attention(query, *kv_cache, block_table, seq_lens, 0.3, window)
         expected = _decode_attention(query, kv_cache, block_table, seq_lens, 0.3, window)
         yield "decode_attention", out, expected
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _attention_case(randn) -> tuple:

@@ -35,23 +35,28 @@ def available() -> bool:
     return agrees_with_torch()
 
 
-def applies(*tensors: torch.Tensor | None) -> bool:
-    """Whether a kernel may take these inputs: CPU tensors of one dtype the kernels read, none
-    that autograd records (the kernels have no backward), and the kernels available."""
+def cpu_inputs(*tensors: torch.Tensor | None) -> bool:
+    """Whether these are inputs a CPU kernel reads: CPU tensors of one dtype it has (float32 or
+    bfloat16), none that autograd records (the kernels have no backward). None entries are
+    skipped; the first must be a tensor."""
     present = [t for t in tensors if t is not None]
     dtype = present[0].dtype
     return (
         dtype in KERNEL_DTYPES
         and all(t.device.type == "cpu" and t.dtype == dtype for t in present)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
-        and available()
     )
+
+
+def applies(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel may take these inputs: `cpu_inputs`, and the kernels available."""
+    return cpu_inputs(*tensors) and available()
 
 
 def _kernel(name: str, dtype: torch.dtype | None = None):
     kernels = load_kernels()
     assert kernels is not None, "check cpu_kernels.available() first"
-    return kernels[name if dtype is None else f"{name}_{KERNEL_DTYPES[dtype]}"]
+    return kernels[name, dtype]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

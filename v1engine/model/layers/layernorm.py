@@ -11,18 +11,20 @@ from v1engine.model.layers import cpu_kernels
 from v1engine.model.weight_utils import default_weight_loader
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch ops: statistics in float32 whatever the model dtype, cast back before the
+    scale (as HF does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32 whatever the model dtype, cast back before the scale (as HF does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -32,6 +34,6 @@ class RMSNorm(nn.Module):
             out, total = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, total)
         if residual is None:
-            return self._norm(x)
+            return rms_norm(x, self.weight, self.eps)
         x = x + residual
-        return self._norm(x), x
+        return rms_norm(x, self.weight, self.eps), x

@@ -182,12 +182,10 @@ class RowParallelLinear(LinearBase):
 # tied embeddings need no repacking. Anywhere else, where neither is available, or where autograd
 # must see the op (neither kernel has a backward), `F.linear`.
 
-_CPU_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in_features], weight [out_features, in_features] -> [..., out_features]."""
-    if x.device.type != "cpu" or x.dtype not in _CPU_DTYPES or _records_grad(x, weight, bias):
+    if not cpu_kernels.cpu_inputs(x, weight, bias):  # oneDNN's linear reads the same inputs
         return F.linear(x, weight, bias)
     x = x.contiguous()
     if _gemv_applies(x, weight, bias):
@@ -198,16 +196,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Beyond `cpu_inputs` (checked by the caller): decode-sized, contiguous, kernels built."""
     return (
         0 < x.numel() <= cpu_kernels.MAX_GEMV_TOKENS * x.shape[-1]
         and weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
-        and cpu_kernels.applies(x, weight, bias)
+        and cpu_kernels.available()
     )
-
-
-def _records_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 @functools.cache

@@ -53,6 +53,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The neox rotation in torch ops: x * cos + rotate_half(x) * sin for query and key."""
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -94,9 +101,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         if cpu_kernels.applies(query, key, cos, sin):
             return cpu_kernels.rotary(query, key, cos, sin)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
-        return query, key
+        return rotate(query, key, cos, sin)
 
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
