@@ -28,7 +28,13 @@ logger = init_logger(__name__)
 _HERE = os.path.dirname(__file__)
 SOURCES = tuple(
     os.path.join(_HERE, name)
-    for name in ("cpu_gemv.c", "cpu_decode_attention.c", "cpu_rms_norm.c", "cpu_elementwise.c")
+    for name in (
+        "cpu_gemv.c",
+        "cpu_decode_attention.c",
+        "cpu_rms_norm.c",
+        "cpu_elementwise.c",
+        "cpu_decoder_stack.c",
+    )
 )
 HEADERS = (os.path.join(_HERE, "cpu_kernels.h"),)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -44,6 +50,7 @@ _TYPED = {
     "rms_norm": ([_P] * 5 + [_N] * 2 + [_F], None),
     "rotary": ([_P] * 6 + [_N] * 6, None),
     "silu_and_mul": ([_P] * 2 + [_N] * 2, None),
+    "decoder_stack": ([_P, _N] + [_P] * 5, ctypes.c_int),
 }
 _UNTYPED = {"write_kv": ([_P] * 5 + [_N] * 4, None)}
 

@@ -28,4 +28,27 @@ static inline uint16_t f32_to_bf16(float f)
 
 #define AS_FLOAT(v) (v)
 
+/* The kernels, as the C files define them (the decoder stack calls them; the Python side's
+   signatures are in cpu_kernel_library.py). Per element type T, with suffix S. */
+#define DECLARE_KERNELS(S, T)                                                                  \
+    void v1e_gemv_##S(const T *x, const T *w, const T *b, T *y, long M, long N, long K);       \
+    void v1e_rms_norm_##S(const T *x, const T *residual, const T *weight, T *sum, T *out,      \
+                          long rows, long hidden, float eps);                                  \
+    void v1e_rotary_##S(const T *q, const T *k, const T *cos, const T *sin, T *q_out,          \
+                        T *k_out, long tokens, long num_heads, long num_kv_heads, long D,      \
+                        long q_stride, long k_stride);                                         \
+    void v1e_silu_and_mul_##S(const T *x, T *out, long tokens, long d);                        \
+    int v1e_decode_attention_##S(const T *q, const T *k_cache, const T *v_cache,               \
+                                 const int32_t *block_table, const int32_t *seq_lens, T *out,  \
+                                 long num_seqs, long num_heads, long num_kv_heads,             \
+                                 long head_size, long block_size, long table_stride,           \
+                                 long window, float scale);
+
+DECLARE_KERNELS(f32, float)
+DECLARE_KERNELS(bf16, uint16_t)
+
+void v1e_write_kv(const char *key, const char *value, char *k_cache, char *v_cache,
+                  const int64_t *slots, long num_tokens, long key_stride, long value_stride,
+                  long row_bytes);
+
 #endif

@@ -53,7 +53,8 @@ def applies(*tensors: torch.Tensor | None) -> bool:
     return cpu_inputs(*tensors) and available()
 
 
-def _kernel(name: str, dtype: torch.dtype | None = None):
+def kernel(name: str, dtype: torch.dtype | None = None):
+    """The C function `name` for `dtype` (None for the untyped ones); needs `available()`."""
     kernels = load_kernels()
     assert kernels is not None, "check cpu_kernels.available() first"
     return kernels[name, dtype]
@@ -69,7 +70,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    _kernel("gemv", x.dtype)(
+    kernel("gemv", x.dtype)(
         rows.data_ptr(),
         weight.data_ptr(),
         _pointer(bias),
@@ -91,7 +92,7 @@ def rms_norm(
     residual = None if residual is None else residual.contiguous()
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
-    _kernel("rms_norm", x.dtype)(
+    kernel("rms_norm", x.dtype)(
         x.data_ptr(),
         _pointer(residual),
         weight.contiguous().data_ptr(),
@@ -114,7 +115,7 @@ def rotary(
     query, key = _with_contiguous_heads(query), _with_contiguous_heads(key)
     cos, sin = cos.contiguous(), sin.contiguous()
     query_out, key_out = torch.empty(query.shape, dtype=query.dtype), torch.empty_like(key)
-    _kernel("rotary", query.dtype)(
+    kernel("rotary", query.dtype)(
         query.data_ptr(),
         key.data_ptr(),
         cos.data_ptr(),
@@ -136,7 +137,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    _kernel("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    kernel("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
     return out
 
 
@@ -159,7 +160,7 @@ def decode_attention(
     num_seqs, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
-    failed = _kernel("decode_attention", query.dtype)(
+    failed = kernel("decode_attention", query.dtype)(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
@@ -193,7 +194,7 @@ def write_kv(
     key = _with_contiguous_heads(key.to(key_cache.dtype))
     value = _with_contiguous_heads(value.to(value_cache.dtype))
     itemsize = key.element_size()
-    _kernel("write_kv")(
+    kernel("write_kv")(
         key.data_ptr(),
         value.data_ptr(),
         key_cache.data_ptr(),

@@ -26,6 +26,7 @@ from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
+from v1engine.model.models.llama_decode_stack import LlamaDecodeStack
 from v1engine.model.weight_utils import WeightSource, default_weight_loader
 
 # (merged parameter, checkpoint projection, shard id) for projections fused into one matmul.
@@ -120,8 +121,13 @@ class LlamaAttention(nn.Module):
         return bias, bias
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before RoPE; Llama has none (Qwen3 normalizes each head)."""
+        """Hook before RoPE; Llama has none (Qwen3 normalizes each head). A subclass that
+        overrides it overrides `qk_norm_weights` too."""
         return q, k
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-head RMSNorm weights `qk_norm` applies (q's, k's), for the decode stack."""
+        return None, None
 
     def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -175,10 +181,13 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_stack = LlamaDecodeStack(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        if self.decode_stack.applies(hidden_states):  # a CPU decode step: all layers in C
+            return self.decode_stack(hidden_states, cos_sin)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(cos_sin, hidden_states, residual)

@@ -21,6 +21,9 @@ class Qwen3Attention(LlamaAttention):
         # q: [num_tokens, num_heads, head_size]; the norm runs over head_size, per head.
         return self.q_norm(q), self.k_norm(k)
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.q_norm.weight, self.k_norm.weight
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

@@ -1,0 +1,159 @@
+/* Every decoder layer of a Llama-shaped model, and the final norm, for the few tokens of a CPU
+   decode step, in one call.
+
+   At batch 1 a layer is about ten small ops (two norms, three matmuls, rotary, the K/V write,
+   attention, SiLU-and-mul). Called one by one from Python each costs 10-30 us of dispatch (module
+   call, checks, ctypes) around a few microseconds of work, about a quarter of a SmolLM2 step
+   (scripts/profile_steps.py). Here the same kernels run back to back: this file only sequences
+   them, with the arithmetic, the order and the roundings of the layer-by-layer forward
+   (models/llama.py), so its outputs are bit-identical to it (tests/model/test_decode_stack.py).
+
+   A layer: residual += x; h = RMSNorm(residual); qkv = h Wqkv^T (+ b); optional RMSNorm per q and
+   k head (Qwen3); neox rotary; K/V written at the step's slots; paged decode attention;
+   x = attn Wo^T (+ b after, as a row-parallel layer adds it); residual += x; h = RMSNorm(residual);
+   x = (SiLU(gate) * up) Wdown^T (+ b after). The first layer's residual is the embeddings; the
+   stack ends with residual += x and the model's final RMSNorm. Tensor parallelism 1 only (no
+   all-reduce here); the KV cache has the model's dtype. Built with the other kernels into one
+   library (cpu_kernel_library.py); returns nonzero if a buffer could not be allocated. */
+
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+/* One layer's weights (bias, q_norm, k_norm may be NULL) and caches; all contiguous. */
+struct v1e_decoder_layer {
+    const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
+    const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
+    long kv_cache_group;     /* which of the step's block tables and slots the layer reads */
+    long block_size, window; /* window 0: full attention */
+};
+
+struct v1e_decoder_shape {
+    long hidden, num_heads, num_kv_heads, head_size, intermediate;
+    float eps, scale;
+};
+
+/* The step: `tokens` decodes, one per sequence, and per KV cache group g their slots, block
+   table and sequence lengths (as cpu_attention_backend.CpuDecodeMetadata holds them). */
+struct v1e_decode_step {
+    long tokens;
+    const void *cos, *sin; /* [tokens, head_size] */
+    const int64_t *const *slots;
+    const int32_t *const *block_tables;
+    const long *table_strides;
+    const int32_t *const *seq_lens;
+};
+
+#define DECODER_STACK(S, T, LOAD, STORE)                                                       \
+    /* The step's activations, [tokens, width] each. */                                        \
+    struct buffers_##S {                                                                       \
+        T *residual, *h, *x, *qkv, *q_normed, *k_normed, *q, *k, *attn, *gate_up, *act;        \
+    };                                                                                         \
+                                                                                               \
+    static void add_bias_##S(T *y, const T *b, long M, long N)                                 \
+    {                                                                                          \
+        for (long m = 0; m < M; m++)                                                           \
+            for (long n = 0; n < N; n++) y[m * N + n] = STORE(LOAD(y[m * N + n]) + LOAD(b[n])); \
+    }                                                                                          \
+                                                                                               \
+    /* qkv -> the rotated q [M, H, D] and k [M, KVH, D]; q/k normalized per head first. */     \
+    static void rotated_qk_##S(const struct v1e_decoder_layer *L,                             \
+                               const struct v1e_decoder_shape *sh,                             \
+                               const struct v1e_decode_step *st, struct buffers_##S *b)        \
+    {                                                                                          \
+        const long M = st->tokens, D = sh->head_size, NH = sh->num_heads;                      \
+        const long NKV = sh->num_kv_heads, Q = NH * D, KV = NKV * D, QKV = Q + 2 * KV;         \
+        const T *q = b->qkv, *k = b->qkv + Q;                                                  \
+        long q_stride = QKV, k_stride = QKV;                                                   \
+        if (L->q_norm) {                                                                       \
+            for (long t = 0; t < M; t++) {                                                     \
+                v1e_rms_norm_##S(q + t * QKV, NULL, L->q_norm, NULL, b->q_normed + t * Q, NH,  \
+                                 D, sh->eps);                                                  \
+                v1e_rms_norm_##S(k + t * QKV, NULL, L->k_norm, NULL, b->k_normed + t * KV,     \
+                                 NKV, D, sh->eps);                                             \
+            }                                                                                  \
+            q = b->q_normed, k = b->k_normed, q_stride = Q, k_stride = KV;                     \
+        }                                                                                      \
+        v1e_rotary_##S(q, k, st->cos, st->sin, b->q, b->k, M, NH, NKV, D, q_stride, k_stride); \
+    }                                                                                          \
+                                                                                               \
+    /* b->h (the normalized residual) -> b->x, the attention block's output. */                \
+    static int attention_block_##S(const struct v1e_decoder_layer *L,                          \
+                                   const struct v1e_decoder_shape *sh,                         \
+                                   const struct v1e_decode_step *st, struct buffers_##S *b)    \
+    {                                                                                          \
+        const long M = st->tokens, D = sh->head_size, g = L->kv_cache_group;                   \
+        const long Q = sh->num_heads * D, KV = sh->num_kv_heads * D, QKV = Q + 2 * KV;         \
+        v1e_gemv_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, QKV, sh->hidden);            \
+        rotated_qk_##S(L, sh, st, b);                                                          \
+        v1e_write_kv((const char *)b->k, (const char *)(b->qkv + Q + KV), L->k_cache,          \
+                     L->v_cache, st->slots[g], M, KV * sizeof(T), QKV * sizeof(T),             \
+                     KV * sizeof(T));                                                          \
+        if (v1e_decode_attention_##S(b->q, L->k_cache, L->v_cache, st->block_tables[g],        \
+                                     st->seq_lens[g], b->attn, M, sh->num_heads,               \
+                                     sh->num_kv_heads, D, L->block_size,                       \
+                                     st->table_strides[g], L->window, sh->scale))              \
+            return 1;                                                                          \
+        v1e_gemv_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, Q);                      \
+        if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
+        return 0;                                                                              \
+    }                                                                                          \
+                                                                                               \
+    static void mlp_block_##S(const struct v1e_decoder_layer *L,                               \
+                              const struct v1e_decoder_shape *sh, long M,                      \
+                              struct buffers_##S *b)                                           \
+    {                                                                                          \
+        const long I = sh->intermediate;                                                       \
+        v1e_gemv_##S(b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I,          \
+                     sh->hidden);                                                              \
+        v1e_silu_and_mul_##S(b->gate_up, b->act, M, I);                                        \
+        v1e_gemv_##S(b->act, L->down_weight, NULL, b->x, M, sh->hidden, I);                    \
+        if (L->down_bias) add_bias_##S(b->x, L->down_bias, M, sh->hidden);                     \
+    }                                                                                          \
+                                                                                               \
+    /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
+    static int allocate_##S(const struct v1e_decoder_shape *sh, long M, struct buffers_##S *b) \
+    {                                                                                          \
+        const long H = sh->hidden, Q = sh->num_heads * sh->head_size;                          \
+        const long KV = sh->num_kv_heads * sh->head_size, I = sh->intermediate;                \
+        T **parts[] = {&b->residual, &b->h, &b->x, &b->qkv, &b->q_normed, &b->k_normed,        \
+                       &b->q, &b->k, &b->attn, &b->gate_up, &b->act};                          \
+        const long widths[] = {H, H, H, Q + 2 * KV, Q, KV, Q, KV, Q, 2 * I, I};                \
+        const long n = sizeof widths / sizeof widths[0];                                       \
+        long total = 0;                                                                        \
+        for (long i = 0; i < n; i++) total += M * widths[i];                                   \
+        T *p = malloc(sizeof(T) * total);                                                      \
+        for (long i = 0; p && i < n; p += M * widths[i], i++) *parts[i] = p;                   \
+        return p != NULL;                                                                      \
+    }                                                                                          \
+                                                                                               \
+    /* x [tokens, hidden]: the embeddings -> out [tokens, hidden]: the final norm's output. */ \
+    int v1e_decoder_stack_##S(const struct v1e_decoder_layer *layers, long num_layers,         \
+                              const struct v1e_decoder_shape *sh,                              \
+                              const struct v1e_decode_step *st, const T *x,                    \
+                              const T *final_norm, T *out)                                     \
+    {                                                                                          \
+        const long M = st->tokens, H = sh->hidden;                                             \
+        struct buffers_##S b;                                                                  \
+        if (!allocate_##S(sh, M, &b)) return 1;                                                \
+        memcpy(b.residual, x, sizeof(T) * M * H);                                              \
+        v1e_rms_norm_##S(x, NULL, layers[0].input_norm, NULL, b.h, M, H, sh->eps);             \
+        int failed = 0;                                                                        \
+        for (long l = 0; l < num_layers && !failed; l++) {                                     \
+            const struct v1e_decoder_layer *L = layers + l;                                    \
+            if (l > 0)                                                                         \
+                v1e_rms_norm_##S(b.x, b.residual, L->input_norm, b.residual, b.h, M, H,        \
+                                 sh->eps);                                                     \
+            failed = attention_block_##S(L, sh, st, &b);                                       \
+            v1e_rms_norm_##S(b.x, b.residual, L->post_norm, b.residual, b.h, M, H, sh->eps);   \
+            mlp_block_##S(L, sh, M, &b);                                                       \
+        }                                                                                      \
+        if (!failed)                                                                           \
+            v1e_rms_norm_##S(b.x, b.residual, final_norm, b.residual, out, M, H, sh->eps);     \
+        free(b.residual);                                                                      \
+        return failed;                                                                         \
+    }
+
+DECODER_STACK(f32, float, AS_FLOAT, AS_FLOAT)
+DECODER_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

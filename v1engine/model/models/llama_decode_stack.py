@@ -1,0 +1,185 @@
+"""A CPU decode step's decoder layers in one native call (`layers/cpu_decoder_stack.c`).
+
+At batch 1 a layer is about ten small ops, and from Python each costs more in dispatch than in
+arithmetic: a quarter of a SmolLM2 step (`scripts/profile_steps.py`). `LlamaModel.forward` hands
+such steps to this class, which runs the same kernels in the same order in C, so the hidden states
+are bit-identical to the layer-by-layer forward (`tests/model/test_decode_stack.py`). It applies
+to steps of at most `cpu_kernels.MAX_GEMV_TOKENS` decodes that the CPU attention backend planned
+(`CpuDecodeMetadata` for every KV cache group), at tensor-parallel size 1, with KV caches of the
+model's dtype; every other step runs the layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers.attention import get_forward_context
+from v1engine.model.layers.cpu_attention_backend import CpuDecodeMetadata
+from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.rotary_embedding import CosSin
+from v1engine.model.parallel_state import get_tp_world_size
+
+if TYPE_CHECKING:
+    from v1engine.model.models.llama import LlamaDecoderLayer, LlamaModel
+
+_P, _N = ctypes.c_void_p, ctypes.c_long
+_WEIGHTS = (
+    "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
+    "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias",
+)  # fmt: skip
+
+
+# The C structs of cpu_decoder_stack.c, field for field.
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (*_WEIGHTS, "k_cache", "v_cache")] + [
+        ("kv_cache_group", _N),
+        ("block_size", _N),
+        ("window", _N),
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        *((name, _N) for name in ("hidden", "num_heads", "num_kv_heads", "head_size")),
+        ("intermediate", _N),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _N),
+        ("cos", _P),
+        ("sin", _P),
+        ("slots", ctypes.POINTER(_P)),
+        ("block_tables", ctypes.POINTER(_P)),
+        ("table_strides", ctypes.POINTER(_N)),
+        ("seq_lens", ctypes.POINTER(_P)),
+    ]
+
+
+class LlamaDecodeStack:
+    """`model`'s decoder layers and final norm for CPU decode steps of a few tokens."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self._model = model
+        # The layer table holds raw pointers to weights and caches, so it keeps the tensors it
+        # was built from, and is rebuilt when a layer's cache is rebound.
+        self._caches: list[object] = []
+        self._dtype: torch.dtype | None = None
+        self._table: ctypes.Array[_Layer] | None = None
+
+    def applies(self, hidden: torch.Tensor) -> bool:
+        """Whether this step (hidden [tokens, hidden_size]) can run here."""
+        metadata = get_forward_context().attn_metadata
+        return (
+            metadata is not None
+            and hidden.shape[0] <= cpu_kernels.MAX_GEMV_TOKENS
+            and all(isinstance(m, CpuDecodeMetadata) for m in metadata)
+            and cpu_kernels.applies(hidden)
+            and self._layer_table(hidden.dtype) is not None
+        )
+
+    def __call__(self, hidden: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
+        """The embeddings hidden [tokens, hidden_size] -> the final norm's output, as
+        `LlamaModel.forward`; check `applies` first."""
+        metadata: list[CpuDecodeMetadata] = get_forward_context().attn_metadata  # type: ignore
+        cos, sin = (t.contiguous() for t in cos_sin)
+        groups = len(metadata)
+        step = _Step(
+            hidden.shape[0],
+            cos.data_ptr(),
+            sin.data_ptr(),
+            (_P * groups)(*(m.slot_mapping.data_ptr() for m in metadata)),
+            (_P * groups)(*(m.block_table.data_ptr() for m in metadata)),
+            (_N * groups)(*(m.block_table.stride(0) for m in metadata)),
+            (_P * groups)(*(m.seq_lens.data_ptr() for m in metadata)),
+        )
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        table = self._table
+        failed = cpu_kernels.kernel("decoder_stack", hidden.dtype)(
+            table,
+            len(table),
+            ctypes.byref(self._shape),
+            ctypes.byref(step),
+            hidden.data_ptr(),
+            self._model.norm.weight.data_ptr(),
+            out.data_ptr(),
+        )
+        if failed:
+            raise MemoryError("the CPU decoder stack could not allocate its buffers")
+        return out
+
+    def _layer_table(self, dtype: torch.dtype) -> ctypes.Array[_Layer] | None:
+        """The C layer table for `dtype`, built on first use and after the caches were rebound;
+        None if this model cannot take the path."""
+        caches = [layer.self_attn.attn.kv_cache for layer in self._model.layers]
+        if dtype != self._dtype or any(a is not b for a, b in zip(caches, self._caches)):
+            self._caches, self._dtype = caches, dtype
+            self._table = self._build_table(dtype) if self._supports(dtype) else None
+        return self._table
+
+    def _supports(self, dtype: torch.dtype) -> bool:
+        model = self._model
+        tensors = [t for layer in model.layers for t in _layer_weights(layer).values()]
+        tensors += [t for layer in model.layers for t in layer.self_attn.attn.kv_cache or ()]
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        return (
+            get_tp_world_size() == 1
+            and all(layer.self_attn.attn.kv_cache is not None for layer in model.layers)
+            and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
+            and len({norm.eps for norm in norms}) == 1
+        )
+
+    def _build_table(self, dtype: torch.dtype) -> ctypes.Array[_Layer]:
+        model = self._model
+        first = model.layers[0].self_attn
+        self._shape = _Shape(
+            model.norm.weight.shape[0],
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_size,
+            model.layers[0].mlp.down_proj.weight.shape[1],
+            model.norm.eps,
+            first.attn.scale,
+        )
+        return (_Layer * len(model.layers))(*map(_layer_struct, model.layers))
+
+
+def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
+    attention, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = attention.qk_norm_weights()
+    return dict(
+        input_norm=layer.input_layernorm.weight,
+        qkv_weight=attention.qkv_proj.weight,
+        qkv_bias=attention.qkv_proj.bias,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        o_weight=attention.o_proj.weight,
+        o_bias=attention.o_proj.bias,
+        post_norm=layer.post_attention_layernorm.weight,
+        gate_up_weight=mlp.gate_up_proj.weight,
+        gate_up_bias=mlp.gate_up_proj.bias,
+        down_weight=mlp.down_proj.weight,
+        down_bias=mlp.down_proj.bias,
+    )
+
+
+def _layer_struct(layer: LlamaDecoderLayer) -> _Layer:
+    attn = layer.self_attn.attn
+    weights = _layer_weights(layer)
+    k_cache, v_cache = attn.kv_cache
+    return _Layer(
+        *(None if weights[name] is None else weights[name].data_ptr() for name in _WEIGHTS),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        attn.kv_cache_group_index,
+        k_cache.shape[1],
+        attn.sliding_window or 0,
+    )
