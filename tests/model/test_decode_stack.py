@@ -1,7 +1,7 @@
-"""The decoder stack in one native call (`llama_decode_stack.py`) against the layer-by-layer forward:
-the same requests through the real scheduler and paged caches must give bit-identical logits
-and tokens, in float32 and bfloat16, for every architecture (biases, per-head q/k norms, sliding
-windows). transformers parity with the stack on is test_model_parity.py's."""
+"""The decoder stack in one native call (`llama_decode_stack.py`) against the layer-by-layer
+forward: the same requests through the real scheduler and paged caches must give bit-identical
+logits and tokens, in float32 and bfloat16, for every architecture (biases, per-head q/k norms,
+sliding windows). transformers parity with the stack on is test_model_parity.py's."""
 
 from __future__ import annotations
 
