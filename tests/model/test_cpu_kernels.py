@@ -158,3 +158,14 @@ def test_silu_and_mul_matches_torch(dtype, tol, tokens):
     with torch.inference_mode():
         out = cpu_kernels.silu_and_mul(gate_up)
     torch.testing.assert_close(out, F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_the_edges_of_exp(dtype):
+    # The kernel's own vectorizable exp (cpu_kernels.h) must saturate and keep NaN as torch does.
+    edges = [float("nan"), float("inf"), -float("inf"), 100.0, -100.0, 88.5, -88.5, 87.5, -87.5]
+    gate = torch.tensor(edges + torch.linspace(-20, 20, 23).tolist())
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)
+    expected = F.silu(gate_up[:, : gate.numel()]) * 1.5
+    out = cpu_kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-2, equal_nan=True)

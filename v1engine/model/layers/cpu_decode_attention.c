@@ -76,8 +76,9 @@ static inline const void *row_ahead(const void *cache, const int32_t *table, lon
             }                                                                                  \
         }                                                                                      \
         for (long h = 0; h < H; h++) {                                                         \
-            float total = 0.f, *p = scores + h * n;                                            \
-            for (long i = 0; i < n; i++) total += p[i] = expf(p[i] - best[h]);                 \
+            float total = 0.f, *p = scores + h * n, top = best[h];                             \
+            _Pragma("omp simd reduction(+:total)")                                             \
+            for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);                 \
             for (long i = 0; i < n; i++) p[i] /= total;                                        \
         }                                                                                      \
     }                                                                                          \

@@ -46,9 +46,10 @@
         for (long t = 0; t < tokens; t++) {                                                    \
             const T *gate = x + t * 2 * d, *up = gate + d;                                     \
             T *o = out + t * d;                                                                \
+            _Pragma("omp simd")                                                                \
             for (long i = 0; i < d; i++) {                                                     \
                 float g = LOAD(gate[i]);                                                       \
-                o[i] = STORE(LOAD(STORE(g / (1.f + expf(-g)))) * LOAD(up[i]));                 \
+                o[i] = STORE(LOAD(STORE(g / (1.f + v1e_expf(-g)))) * LOAD(up[i]));             \
             }                                                                                  \
         }                                                                                      \
     }

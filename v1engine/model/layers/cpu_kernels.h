@@ -4,6 +4,7 @@
 #ifndef V1ENGINE_CPU_KERNELS_H
 #define V1ENGINE_CPU_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,6 +28,33 @@ static inline uint16_t f32_to_bf16(float f)
 }
 
 #define AS_FLOAT(v) (v)
+
+/* e^x in float32 to within a few ulp (Cephes' range reduction and polynomial), written without
+   branches or calls so that a loop over it under `omp simd` vectorizes: glibc's expf is a call
+   per element, and its vector versions need -ffast-math, which these kernels do not use (see
+   cpu_gemv.c). NaN stays NaN; results below float's normal range flush to 0, above it are inf. */
+static inline float v1e_expf(float x)
+{
+    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    float v = x * log2e;
+    v = v > -126.f ? v : -126.f; /* so that 2^n is a normal float; also takes NaN */
+    v = v < 127.f ? v : 127.f;
+    float n = (v + 12582912.f) - 12582912.f; /* rounded to an integer: 1.5 * 2^23 */
+    float r = x - n * ln2_hi;
+    r = r - n * ln2_lo;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    int32_t exponent = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    float y = x < -87.33654475f ? 0.f : (x > 88.72283905f ? INFINITY : p * scale);
+    return x != x ? x : y;
+}
 
 /* The kernels, as the C files define them (the decoder stack calls them; the Python side's
    signatures are in cpu_kernel_library.py). Per element type T, with suffix S. */
