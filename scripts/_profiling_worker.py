@@ -5,7 +5,8 @@ It is spawned by v1engine's executor from `worker_cls="_profiling_worker.Profili
 `GPUModelRunner.execute_model` are timed by wrapping the runner's own methods, and the forward is
 split by layer kind with forward hooks on the model's leaf modules: each leaf's time is inclusive
 of what it calls, leaves do not nest, and "layer glue" is the rest of the forward (the decoder
-layers' Python between leaves). Hooks cost a few microseconds per leaf call, which the table's
+layers' Python between leaves); the decoder stack of small decode steps (all layers in one C
+call) is one row. Hooks cost a few microseconds per leaf call, which the table's
 forward total includes; the plain `execute_model` time is measured by the engine side without them.
 """
 
@@ -33,7 +34,21 @@ _LAYER_KINDS = {
     "SiluAndMul": "activation",
     "VocabParallelEmbedding": "embedding",
 }
-LEAF_LABELS = frozenset(_LAYER_KINDS.values())
+# Decode steps of a few tokens run every layer in one C call (models/llama_decode_stack.py),
+# which no leaf hook sees: it is timed as one row.
+_DECODE_STACK_LABEL = "decoder stack (all layers, one C call)"
+LEAF_LABELS = frozenset(_LAYER_KINDS.values()) | {_DECODE_STACK_LABEL}
+
+
+class _TimedDecodeStack:
+    """Stands in for a model's `decode_stack`, timing its calls."""
+
+    def __init__(self, stack: Any, timed: Callable[..., Any]) -> None:
+        self.applies = stack.applies
+        self._timed = timed
+
+    def __call__(self, *args: Any) -> Any:
+        return self._timed(*args)
 
 
 class ProfilingWorker(Worker):
@@ -58,6 +73,11 @@ class ProfilingWorker(Worker):
         self._wrap_module_function("build_sampling_metadata", "sampling metadata")
         runner.sampler = self._timed("sampler", runner.sampler)
         self._hook_leaves(runner.model)
+        inner = getattr(runner.model, "model", None)
+        if hasattr(inner, "decode_stack"):
+            stack = inner.decode_stack
+            timed = self._timed(_DECODE_STACK_LABEL, stack.__call__)
+            inner.decode_stack = _TimedDecodeStack(stack, timed)
         original_logits = runner.model.compute_logits
         runner.model.compute_logits = self._timed("lm head (logits)", original_logits)
 
