@@ -1,5 +1,6 @@
 """The CPU attention backend (our C decode kernel) against the torch backend, through the
-backend protocol: metadata, K/V write, attention."""
+backend protocol: metadata, K/V write, attention; decode-only steps and mixed ones (prefills by the
+torch plan, decode rows by the kernel)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import torch
 
 from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
 from v1engine.model.layers import cpu_kernels
-from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend, CpuDecodeMetadata
-from v1engine.model.layers.torch_attention import TorchAttentionBackend
+from v1engine.model.layers.cpu_attention_backend import (
+    CpuAttentionBackend,
+    CpuDecodeMetadata,
+    CpuMixedMetadata,
+)
+from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="no C compiler to build the CPU kernels"
@@ -49,16 +54,33 @@ def test_decode_steps_match_the_torch_backend(
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
     "steps,pad",
-    [([(0, 0, 6), (1, 3, 1)], 0), ([(0, 3, 1), (1, 5, 1)], 2)],
-    ids=["with-a-prefill", "with-padding"],
+    [
+        ([(0, 0, 6), (1, 3, 1)], 0),
+        ([(0, 9, 1), (1, 4, 5), (2, 17, 1), (3, 0, 3), (4, 1, 1)], 0),
+        ([(0, 3, 1), (1, 5, 1)], 2),
+    ],
+    ids=["a-prefill-and-a-decode", "decodes-between-prefills", "decodes-and-padding"],
 )
-def test_other_steps_take_the_torch_backends_path(steps, pad):
-    args = (steps, 4, 2, 8, 4, None, torch.float32)
-    metadata, out, _ = _attend(CpuAttentionBackend(), *args, pad=pad)
-    assert not isinstance(metadata, CpuDecodeMetadata)
-    torch.testing.assert_close(out, _attend(TorchAttentionBackend(), *args, pad=pad)[1])
+def test_mixed_steps_attend_their_decodes_with_the_kernel(steps, pad, window, dtype, tol):
+    args = (steps, 9, 3, 8, 4, window, dtype)
+    metadata, out, kv_cache = _attend(CpuAttentionBackend(), *args, pad=pad)
+    assert isinstance(metadata, CpuMixedMetadata)
+    decode_reqs = [r for r, _, query_len in steps if query_len == 1]
+    assert metadata.decodes.seq_lens.shape[0] == len(decode_reqs)
+    _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args, pad=pad)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
+
+
+def test_prefill_only_steps_take_the_torch_backends_path():
+    args = ([(0, 0, 6), (1, 2, 3)], 4, 2, 8, 4, None, torch.float32)
+    metadata, out, _ = _attend(CpuAttentionBackend(), *args)
+    assert isinstance(metadata, TorchAttentionMetadata)
+    torch.testing.assert_close(out, _attend(TorchAttentionBackend(), *args)[1])
 
 
 def test_a_float32_query_over_a_bfloat16_cache():

@@ -1,15 +1,14 @@
 """Paged attention in plain torch: the CPU backend, and the reference for the Triton kernels.
 
 `TorchAttentionBackend.build_metadata` plans, once per step and KV cache group, what each request
-gathers and masks (the plan, below). Requests with one new token (decode) are attended
-in small groups of similar length, one SDPA call each; every other request (prefill, chunked
-prefill, prefill over a cached prefix) gets one SDPA call over its own gathered blocks with a
-causal + sliding-window mask. There GQA never materializes repeated K/V: the query heads that
-share a KV head are folded into the query-row dimension. A fresh prompt without a window instead
-uses SDPA's built-in causal mask (several times faster on CPU), at the cost of repeating K/V.
-Blocks wholly outside a request's window are never read, so a sliding-window KV manager may free
-them. `causal_attention` is the no-cache path (profiling). SDPA gets 4-D inputs (a batch of one):
-on CPU 3-D ones take a path 1.5-2.8x slower at 128-512 tokens."""
+gathers and masks (the plan, below). Requests with one new token (decode) are attended in small
+groups of similar length, one SDPA call each; every other request (prefill, chunked prefill,
+prefill over a cached prefix) gets one SDPA call over its own gathered blocks with a causal +
+sliding-window mask, where GQA never repeats K/V: the query heads that share a KV head become
+query rows. A fresh prompt without a window uses SDPA's causal mask instead (several times faster
+on CPU), at the cost of repeating K/V. Blocks wholly outside a request's window are never read,
+so a sliding-window KV manager may free them. SDPA gets 4-D inputs (a batch of one): on CPU 3-D
+ones take a path 1.5-2.8x slower. `causal_attention` is the no-cache path (profiling)."""
 
 from __future__ import annotations
 
@@ -291,8 +290,11 @@ class StepPlan:
         return groups[0].rows_in_order and groups[0].rows.shape[0] == num_tokens
 
 
-def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
-    """The plan of one step for the layers of one KV cache group (block size, window)."""
+def build_step_plan(
+    metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec, with_decodes: bool = True
+) -> StepPlan:
+    """The plan of one step for the layers of one KV cache group (block size, window); without
+    `with_decodes`, of its multi-token requests only (another kernel attends the others)."""
     block_size = kv_cache_spec.block_size
     sliding_window = None
     if isinstance(kv_cache_spec, SlidingWindowSpec):
@@ -312,7 +314,7 @@ def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionS
     decodes.sort(key=lambda r: seq_lens[r], reverse=True)
     groups = [
         _plan_decode_group(metadata, members, query_start_loc, block_size, sliding_window)
-        for members in _split_decodes(decodes, seq_lens, kv_cache_spec)
+        for members in _split_decodes(decodes if with_decodes else [], seq_lens, kv_cache_spec)
     ]
     return StepPlan(prefills, groups, sliding_window)
 
@@ -350,9 +352,8 @@ def _prefill_plan(
     last_block = cdiv(seq_len, block_size)
     blocks = metadata.block_table[r, first_block:last_block].long()
     key_offset = first_block * block_size
-    mask = None
-    if first_pos != 0 or sliding_window is not None:
-        mask = visible(first_pos, seq_len, key_offset, sliding_window, blocks.device)
+    fresh = first_pos == 0 and sliding_window is None  # SDPA's own causal mask serves it
+    mask = None if fresh else visible(first_pos, seq_len, key_offset, sliding_window, blocks.device)
     return PrefillPlan(start, end, blocks, seq_len - key_offset, mask)
 
 
@@ -390,8 +391,7 @@ def _plan_decode_group(
 def visible(
     first_pos: int, seq_len: int, key_offset: int, sliding_window: int | None, device: torch.device
 ) -> torch.Tensor:
-    """[num_queries, num_keys] bool; queries sit at first_pos.., keys at key_offset.., both up to
-    seq_len - 1."""
+    """[num_queries, num_keys] bool: queries at first_pos.., keys at key_offset.., below seq_len."""
     q_pos = torch.arange(first_pos, seq_len, device=device)[:, None]
     k_pos = torch.arange(key_offset, seq_len, device=device)[None, :]
     mask = k_pos <= q_pos
