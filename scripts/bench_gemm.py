@@ -1,6 +1,6 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
 `F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`, what `linear` uses above
-`cpu_kernels.MAX_GEMV_TOKENS` rows) and our decode kernel (`cpu_gemv.c`, what `linear` uses up to
+`cpu_kernels.max_gemv_tokens` rows) and our decode kernel (`cpu_gemv.c`, what `linear` uses up to
 it), at decode-sized and prefill-sized token counts.
 
     python scripts/bench_gemm.py --repeats 5 --json gemm.json

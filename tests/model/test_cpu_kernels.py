@@ -53,14 +53,14 @@ def test_bfloat16_nan_stays_nan():
 
 def test_linear_sends_decode_sized_inputs_to_the_kernel_and_larger_ones_elsewhere():
     weight = torch.randn(24, 40)
-    small = torch.randn(cpu_kernels.MAX_GEMV_TOKENS, 40)
-    large = torch.randn(cpu_kernels.MAX_GEMV_TOKENS + 1, 40)
+    most = cpu_kernels.max_gemv_tokens(torch.float32)
+    small, large = torch.randn(most, 40), torch.randn(most + 1, 40)
     with torch.inference_mode():
         assert torch.equal(linear(small, weight), cpu_kernels.gemv(small, weight))
         # The kernel would give the same rows for the larger input; oneDNN sums in another order.
         torch.testing.assert_close(linear(large, weight), F.linear(large, weight))
     # Neither kernel has a backward: inputs that autograd records take torch's path.
-    for rows in (1, cpu_kernels.MAX_GEMV_TOKENS + 1):
+    for rows in (1, most + 1):
         grad_input = torch.randn(rows, 40, requires_grad=True)
         linear(grad_input, weight).sum().backward()
         torch.testing.assert_close(grad_input.grad, weight.sum(0).expand(rows, 40))

@@ -77,10 +77,24 @@ def test_stack_matches_the_layers_bit_for_bit(tmp_path, stack_calls, arch, overr
     assert again == outputs and all(map(torch.equal, again_logits, logits))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_steps_of_as_many_decodes_as_the_gemv_takes(tmp_path, stack_calls, dtype):
+    path = make_checkpoint(tmp_path, "qwen2")
+    model = load_model(path, load_hf_config(path), dtype, "cpu")
+    most = cpu_kernels.max_gemv_tokens(dtype)
+    prompts = make_prompts(model.config.vocab_size, [3] * most)
+    outputs, logits = generate_paged(model, prompts, 4, token_budget=64)
+    assert most in stack_calls
+    stack_calls.enabled = False
+    expected_outputs, expected_logits = generate_paged(model, prompts, 4, token_budget=64)
+    assert outputs == expected_outputs
+    assert all(map(torch.equal, logits, expected_logits))
+
+
 def test_steps_of_more_decodes_than_the_kernel_takes_run_the_layers(tmp_path, stack_calls):
     path = make_checkpoint(tmp_path, "llama")
     model = load_model(path, load_hf_config(path), torch.float32, "cpu")
-    n = cpu_kernels.MAX_GEMV_TOKENS + 1
+    n = cpu_kernels.max_gemv_tokens(torch.float32) + 1
     generate_paged(model, make_prompts(model.config.vocab_size, [3] * n), 4, token_budget=64)
     # All n requests prefill in the first step and decode together after: never through the stack.
     assert stack_calls == []

@@ -11,7 +11,7 @@
    object built by GCC 12, would switch the whole process to flush-to-zero). The OpenMP runtime is
    the libgomp torch has already loaded, so these threads are torch's intra-op threads and
    torch.set_num_threads sizes them. Weights and activations are row-major and contiguous:
-   x [M, K], w [N, K], b [N] or NULL, y [M, N]; M is small (cpu_kernels.MAX_GEMV_TOKENS). */
+   x [M, K], w [N, K], b [N] or NULL, y [M, N]; M is small (cpu_kernels.max_gemv_tokens). */
 
 #include "cpu_kernels.h"
 

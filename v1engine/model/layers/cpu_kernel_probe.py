@@ -37,7 +37,7 @@ def _cases(generator: torch.Generator, dtype: torch.dtype):
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    for tokens in (1, cpu_kernels.MAX_GEMV_TOKENS + 1):
+    for tokens in (1, 5):  # one row; a four-row tile and a row after it
         x, weight, bias = randn(tokens, 37), randn(5, 37), randn(5)
         yield "gemv", cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias)
     x, residual, weight = randn(2, 37), randn(2, 37), randn(37)

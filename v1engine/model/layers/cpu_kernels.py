@@ -21,8 +21,15 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
 
 logger = init_logger(__name__)
 
-# From about eight tokens on oneDNN's GEMM is as fast or faster (scripts/bench_gemm.py).
-MAX_GEMV_TOKENS = 4
+# Up to this many rows our gemv beats oneDNN's GEMM or is level with it (scripts/bench_gemm.py,
+# the SmolLM2 step's matmuls: float32 25 vs 34 ms at 5 rows, 37 vs 36 at 8; bfloat16, whose gemv
+# widens every element, level at 4 and 14% slower at 5).
+_MAX_GEMV_TOKENS = {torch.float32: 8, torch.bfloat16: 4}
+
+
+def max_gemv_tokens(dtype: torch.dtype) -> int:
+    """The most rows `gemv` takes for `dtype` inputs (0 for dtypes it has no kernel for)."""
+    return _MAX_GEMV_TOKENS.get(dtype, 0)
 
 
 @functools.cache
@@ -65,7 +72,7 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, meant for x [..., K] of a few rows (`MAX_GEMV_TOKENS`): the
+    """`F.linear(x, weight, bias)`, meant for x [..., K] of a few rows (`max_gemv_tokens`): the
     kernel keeps one sum per row on the stack. weight and bias contiguous."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()

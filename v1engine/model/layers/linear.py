@@ -176,7 +176,7 @@ class RowParallelLinear(LinearBase):
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
 # or less, and our own kernel (`cpu_gemv.c`) comes near it (`scripts/bench_gemm.py` measures all
-# three). So on CPU, float32 and bfloat16 inputs of at most `cpu_kernels.MAX_GEMV_TOKENS` rows go
+# three). So on CPU, float32 and bfloat16 inputs of at most `cpu_kernels.max_gemv_tokens` rows go
 # to that kernel, larger ones through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's
 # own CPU compiler emits for linear layers), both on plain weights, so tensor-parallel shards and
 # tied embeddings need no repacking. Anywhere else, where neither is available, or where autograd
@@ -198,7 +198,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Beyond `cpu_inputs` (checked by the caller): decode-sized, contiguous, kernels built."""
     return (
-        0 < x.numel() <= cpu_kernels.MAX_GEMV_TOKENS * x.shape[-1]
+        0 < x.numel() <= cpu_kernels.max_gemv_tokens(x.dtype) * x.shape[-1]
         and weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
         and cpu_kernels.available()

@@ -4,7 +4,7 @@ At batch 1 a layer is about ten small ops, and from Python each costs more in di
 arithmetic: a quarter of a SmolLM2 step (`scripts/profile_steps.py`). `LlamaModel.forward` hands
 such steps to this class, which runs the same kernels in the same order in C, so the hidden states
 are bit-identical to the layer-by-layer forward (`tests/model/test_decode_stack.py`). It applies
-to steps of at most `cpu_kernels.MAX_GEMV_TOKENS` decodes that the CPU attention backend planned
+to steps of at most `cpu_kernels.max_gemv_tokens` decodes that the CPU attention backend planned
 (`CpuDecodeMetadata` for every KV cache group), at tensor-parallel size 1, with KV caches of the
 model's dtype; every other step runs the layers.
 """
@@ -79,7 +79,7 @@ class LlamaDecodeStack:
         metadata = get_forward_context().attn_metadata
         return (
             metadata is not None
-            and hidden.shape[0] <= cpu_kernels.MAX_GEMV_TOKENS
+            and hidden.shape[0] <= cpu_kernels.max_gemv_tokens(hidden.dtype)
             and all(isinstance(m, CpuDecodeMetadata) for m in metadata)
             and cpu_kernels.applies(hidden)
             and self._layer_table(hidden.dtype) is not None
