@@ -107,8 +107,7 @@ def test_stack_needs_the_kv_cache_in_the_model_dtype(tmp_path, stack_calls):
     generate_paged(model, prompts, 3)
     assert stack_calls
     # A float32 model over bfloat16 caches (cache_dtype) takes the layers.
-    stack_calls.clear()
     for layer in model.model.layers:
         attn = layer.self_attn.attn
         attn.kv_cache = tuple(c.to(torch.bfloat16) for c in attn.kv_cache)
-    assert model.model.decode_stack._layer_table(torch.float32) is None
+    assert model.model.decode_stack._layer_table() is None

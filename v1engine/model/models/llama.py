@@ -105,6 +105,9 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_size, config.hidden_size, o_bias
         )
         self.rotary_emb = rotary_emb
+        # Set by architectures that normalize each query and key head (Qwen3).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         self.attn = Attention(
             self.num_heads,
             self.head_size,
@@ -121,13 +124,10 @@ class LlamaAttention(nn.Module):
         return bias, bias
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before RoPE; Llama has none (Qwen3 normalizes each head). A subclass that
-        overrides it overrides `qk_norm_weights` too."""
-        return q, k
-
-    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The per-head RMSNorm weights `qk_norm` applies (q's, k's), for the decode stack."""
-        return None, None
+        """The per-head RMSNorm before RoPE where the model has one (Qwen3); Llama has none."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]

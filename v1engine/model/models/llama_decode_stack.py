@@ -68,10 +68,19 @@ class LlamaDecodeStack:
 
     def __init__(self, model: LlamaModel) -> None:
         self._model = model
-        # The layer table holds raw pointers to weights and caches, so it keeps the tensors it
+        attention = model.layers[0].self_attn
+        self._shape = _Shape(
+            model.norm.weight.shape[0],
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.head_size,
+            model.layers[0].mlp.down_proj.weight.shape[1],
+            model.norm.eps,
+            attention.attn.scale,
+        )
+        # The layer table holds raw pointers to weights and caches, so it keeps the caches it
         # was built from, and is rebuilt when a layer's cache is rebound.
         self._caches: list[object] = []
-        self._dtype: torch.dtype | None = None
         self._table: ctypes.Array[_Layer] | None = None
 
     def applies(self, hidden: torch.Tensor) -> bool:
@@ -81,8 +90,8 @@ class LlamaDecodeStack:
             metadata is not None
             and hidden.shape[0] <= cpu_kernels.max_gemv_tokens(hidden.dtype)
             and all(isinstance(m, CpuDecodeMetadata) for m in metadata)
-            and cpu_kernels.applies(hidden)
-            and self._layer_table(hidden.dtype) is not None
+            and cpu_kernels.applies(hidden, self._model.norm.weight)  # one dtype, on CPU
+            and self._layer_table() is not None
         )
 
     def __call__(self, hidden: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
@@ -116,51 +125,41 @@ class LlamaDecodeStack:
             raise MemoryError("the CPU decoder stack could not allocate its buffers")
         return out
 
-    def _layer_table(self, dtype: torch.dtype) -> ctypes.Array[_Layer] | None:
-        """The C layer table for `dtype`, built on first use and after the caches were rebound;
-        None if this model cannot take the path."""
+    def _layer_table(self) -> ctypes.Array[_Layer] | None:
+        """The C layer table, built on first use and after the caches were rebound; None if this
+        model cannot take the path."""
         caches = [layer.self_attn.attn.kv_cache for layer in self._model.layers]
-        if dtype != self._dtype or any(a is not b for a, b in zip(caches, self._caches)):
-            self._caches, self._dtype = caches, dtype
-            self._table = self._build_table(dtype) if self._supports(dtype) else None
+        if not self._caches or any(a is not b for a, b in zip(caches, self._caches)):
+            self._caches = caches
+            self._table = self._build_table()
         return self._table
 
-    def _supports(self, dtype: torch.dtype) -> bool:
+    def _build_table(self) -> ctypes.Array[_Layer] | None:
         model = self._model
-        tensors = [t for layer in model.layers for t in _layer_weights(layer).values()]
-        tensors += [t for layer in model.layers for t in layer.self_attn.attn.kv_cache or ()]
-        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-        return (
+        dtype = model.norm.weight.dtype
+        weights = [_layer_weights(layer) for layer in model.layers]
+        caches = [layer.self_attn.attn.kv_cache for layer in model.layers]
+        tensors = [t for w in weights for t in w.values()] + [t for c in caches for t in c or ()]
+        supported = (
             get_tp_world_size() == 1
-            and all(layer.self_attn.attn.kv_cache is not None for layer in model.layers)
+            and all(cache is not None for cache in caches)
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
-            and len({norm.eps for norm in norms}) == 1
+            and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
         )
-
-    def _build_table(self, dtype: torch.dtype) -> ctypes.Array[_Layer]:
-        model = self._model
-        first = model.layers[0].self_attn
-        self._shape = _Shape(
-            model.norm.weight.shape[0],
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_size,
-            model.layers[0].mlp.down_proj.weight.shape[1],
-            model.norm.eps,
-            first.attn.scale,
-        )
-        return (_Layer * len(model.layers))(*map(_layer_struct, model.layers))
+        if not supported:
+            return None
+        structs = (_layer_struct(layer, w) for layer, w in zip(model.layers, weights))
+        return (_Layer * len(model.layers))(*structs)
 
 
 def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
     attention, mlp = layer.self_attn, layer.mlp
-    q_norm, k_norm = attention.qk_norm_weights()
     return dict(
         input_norm=layer.input_layernorm.weight,
         qkv_weight=attention.qkv_proj.weight,
         qkv_bias=attention.qkv_proj.bias,
-        q_norm=q_norm,
-        k_norm=k_norm,
+        q_norm=None if attention.q_norm is None else attention.q_norm.weight,
+        k_norm=None if attention.k_norm is None else attention.k_norm.weight,
         o_weight=attention.o_proj.weight,
         o_bias=attention.o_proj.bias,
         post_norm=layer.post_attention_layernorm.weight,
@@ -171,9 +170,8 @@ def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
     )
 
 
-def _layer_struct(layer: LlamaDecoderLayer) -> _Layer:
+def _layer_struct(layer: LlamaDecoderLayer, weights: dict[str, torch.Tensor | None]) -> _Layer:
     attn = layer.self_attn.attn
-    weights = _layer_weights(layer)
     k_cache, v_cache = attn.kv_cache
     return _Layer(
         *(None if weights[name] is None else weights[name].data_ptr() for name in _WEIGHTS),
