@@ -45,6 +45,17 @@ struct v1e_decode_step {
     const int32_t *const *seq_lens;
 };
 
+/* The widths of q, k (and v) and the fused qkv rows, derived once per call from the shape. */
+struct widths {
+    long q, kv, qkv;
+};
+
+static struct widths widths_of(const struct v1e_decoder_shape *sh)
+{
+    const long q = sh->num_heads * sh->head_size, kv = sh->num_kv_heads * sh->head_size;
+    return (struct widths){q, kv, q + 2 * kv};
+}
+
 #define DECODER_STACK(S, T, LOAD, STORE)                                                       \
     /* The step's activations, [tokens, width] each. */                                        \
     struct buffers_##S {                                                                       \
@@ -59,43 +70,42 @@ struct v1e_decode_step {
                                                                                                \
     /* qkv -> the rotated q [M, H, D] and k [M, KVH, D]; q/k normalized per head first. */     \
     static void rotated_qk_##S(const struct v1e_decoder_layer *L,                             \
-                               const struct v1e_decoder_shape *sh,                             \
+                               const struct v1e_decoder_shape *sh, const struct widths *w,     \
                                const struct v1e_decode_step *st, struct buffers_##S *b)        \
     {                                                                                          \
         const long M = st->tokens, D = sh->head_size, NH = sh->num_heads;                      \
-        const long NKV = sh->num_kv_heads, Q = NH * D, KV = NKV * D, QKV = Q + 2 * KV;         \
-        const T *q = b->qkv, *k = b->qkv + Q;                                                  \
-        long q_stride = QKV, k_stride = QKV;                                                   \
+        const long NKV = sh->num_kv_heads;                                                     \
+        const T *q = b->qkv, *k = b->qkv + w->q;                                               \
+        long q_stride = w->qkv, k_stride = w->qkv;                                             \
         if (L->q_norm) {                                                                       \
             for (long t = 0; t < M; t++) {                                                     \
-                v1e_rms_norm_##S(q + t * QKV, NULL, L->q_norm, NULL, b->q_normed + t * Q, NH,  \
-                                 D, sh->eps);                                                  \
-                v1e_rms_norm_##S(k + t * QKV, NULL, L->k_norm, NULL, b->k_normed + t * KV,     \
-                                 NKV, D, sh->eps);                                             \
+                v1e_rms_norm_##S(q + t * w->qkv, NULL, L->q_norm, NULL, b->q_normed + t * w->q, \
+                                 NH, D, sh->eps);                                              \
+                v1e_rms_norm_##S(k + t * w->qkv, NULL, L->k_norm, NULL,                        \
+                                 b->k_normed + t * w->kv, NKV, D, sh->eps);                    \
             }                                                                                  \
-            q = b->q_normed, k = b->k_normed, q_stride = Q, k_stride = KV;                     \
+            q = b->q_normed, k = b->k_normed, q_stride = w->q, k_stride = w->kv;               \
         }                                                                                      \
         v1e_rotary_##S(q, k, st->cos, st->sin, b->q, b->k, M, NH, NKV, D, q_stride, k_stride); \
     }                                                                                          \
                                                                                                \
     /* b->h (the normalized residual) -> b->x, the attention block's output. */                \
     static int attention_block_##S(const struct v1e_decoder_layer *L,                          \
-                                   const struct v1e_decoder_shape *sh,                         \
+                                   const struct v1e_decoder_shape *sh, const struct widths *w, \
                                    const struct v1e_decode_step *st, struct buffers_##S *b)    \
     {                                                                                          \
-        const long M = st->tokens, D = sh->head_size, g = L->kv_cache_group;                   \
-        const long Q = sh->num_heads * D, KV = sh->num_kv_heads * D, QKV = Q + 2 * KV;         \
-        v1e_gemv_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, QKV, sh->hidden);            \
-        rotated_qk_##S(L, sh, st, b);                                                          \
-        v1e_write_kv((const char *)b->k, (const char *)(b->qkv + Q + KV), L->k_cache,          \
-                     L->v_cache, st->slots[g], M, KV * sizeof(T), QKV * sizeof(T),             \
-                     KV * sizeof(T));                                                          \
+        const long M = st->tokens, g = L->kv_cache_group;                                      \
+        v1e_gemv_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden);         \
+        rotated_qk_##S(L, sh, w, st, b);                                                       \
+        v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
+                     L->v_cache, st->slots[g], M, w->kv * sizeof(T), w->qkv * sizeof(T),       \
+                     w->kv * sizeof(T));                                                       \
         if (v1e_decode_attention_##S(b->q, L->k_cache, L->v_cache, st->block_tables[g],        \
                                      st->seq_lens[g], b->attn, M, sh->num_heads,               \
-                                     sh->num_kv_heads, D, L->block_size,                       \
+                                     sh->num_kv_heads, sh->head_size, L->block_size,           \
                                      st->table_strides[g], L->window, sh->scale))              \
             return 1;                                                                          \
-        v1e_gemv_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, Q);                      \
+        v1e_gemv_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q);                   \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
         return 0;                                                                              \
     }                                                                                          \
@@ -113,18 +123,18 @@ struct v1e_decode_step {
     }                                                                                          \
                                                                                                \
     /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
-    static int allocate_##S(const struct v1e_decoder_shape *sh, long M, struct buffers_##S *b) \
+    static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,       \
+                            long M, struct buffers_##S *b)                                     \
     {                                                                                          \
-        const long H = sh->hidden, Q = sh->num_heads * sh->head_size;                          \
-        const long KV = sh->num_kv_heads * sh->head_size, I = sh->intermediate;                \
+        const long H = sh->hidden, I = sh->intermediate;                                       \
         T **parts[] = {&b->residual, &b->h, &b->x, &b->qkv, &b->q_normed, &b->k_normed,        \
                        &b->q, &b->k, &b->attn, &b->gate_up, &b->act};                          \
-        const long widths[] = {H, H, H, Q + 2 * KV, Q, KV, Q, KV, Q, 2 * I, I};                \
-        const long n = sizeof widths / sizeof widths[0];                                       \
+        const long sizes[] = {H, H, H, w->qkv, w->q, w->kv, w->q, w->kv, w->q, 2 * I, I};      \
+        const long n = sizeof sizes / sizeof sizes[0];                                         \
         long total = 0;                                                                        \
-        for (long i = 0; i < n; i++) total += M * widths[i];                                   \
+        for (long i = 0; i < n; i++) total += M * sizes[i];                                    \
         T *p = malloc(sizeof(T) * total);                                                      \
-        for (long i = 0; p && i < n; p += M * widths[i], i++) *parts[i] = p;                   \
+        for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                   \
         return p != NULL;                                                                      \
     }                                                                                          \
                                                                                                \
@@ -135,17 +145,18 @@ struct v1e_decode_step {
                               const T *final_norm, T *out)                                     \
     {                                                                                          \
         const long M = st->tokens, H = sh->hidden;                                             \
+        const struct widths w = widths_of(sh);                                                 \
         struct buffers_##S b;                                                                  \
-        if (!allocate_##S(sh, M, &b)) return 1;                                                \
+        if (!allocate_##S(sh, &w, M, &b)) return 1;                                            \
         memcpy(b.residual, x, sizeof(T) * M * H);                                              \
         v1e_rms_norm_##S(x, NULL, layers[0].input_norm, NULL, b.h, M, H, sh->eps);             \
         int failed = 0;                                                                        \
-        for (long l = 0; l < num_layers && !failed; l++) {                                     \
+        for (long l = 0; l < num_layers; l++) {                                                \
             const struct v1e_decoder_layer *L = layers + l;                                    \
             if (l > 0)                                                                         \
                 v1e_rms_norm_##S(b.x, b.residual, L->input_norm, b.residual, b.h, M, H,        \
                                  sh->eps);                                                     \
-            failed = attention_block_##S(L, sh, st, &b);                                       \
+            if ((failed = attention_block_##S(L, sh, &w, st, &b))) break;                      \
             v1e_rms_norm_##S(b.x, b.residual, L->post_norm, b.residual, b.h, M, H, sh->eps);   \
             mlp_block_##S(L, sh, M, &b);                                                       \
         }                                                                                      \
