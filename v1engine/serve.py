@@ -18,8 +18,6 @@ import argparse
 import sys
 
 from v1engine.engine_args import EngineArgs
-from v1engine.entrypoints.openai.limits import RequestLimits
-from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
 
 # Not __name__: run as `python -m`, this module is "__main__".
@@ -29,6 +27,11 @@ _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def make_arg_parser() -> argparse.ArgumentParser:
+    # Imported here, not at the top: every process multiprocessing spawns (the engine core, each
+    # worker) re-imports this module first, and these pull in fastapi (~0.3 s each).
+    from v1engine.entrypoints.openai.limits import RequestLimits
+    from v1engine.entrypoints.openai.structured import ServingOptions
+
     parser = argparse.ArgumentParser(
         prog="python -m v1engine.serve",
         description="OpenAI-compatible HTTP server for one node (one worker per device).",
@@ -59,7 +62,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_arg_parser().parse_args(argv)
-    from v1engine.entrypoints.openai.api_server import run_server
+    from v1engine.entrypoints.openai.startup import run_server
 
     try:
         return run_server(args)

@@ -3,6 +3,7 @@ core's for structured outputs (so both packages import it from here, a leaf)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -69,19 +70,27 @@ class BackgroundTokenizerLoad:
     Args:
         model_config: whose tokenizer to load.
         skip: load nothing; `result()` returns None (`skip_tokenizer_init`).
+        preload: a module the thread imports first (the HTTP server's app, so its imports overlap
+            the start-up too). The thread then imports transformers as well: with `preload` the
+            caller promises that its own thread imports nothing meanwhile (the server's thread
+            only waits for the engine core's process).
     """
 
-    def __init__(self, model_config: ModelConfig, skip: bool = False) -> None:
+    def __init__(
+        self, model_config: ModelConfig, skip: bool = False, preload: str | None = None
+    ) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="v1engine-tokenizer")
         self._future = None
-        if not skip:
+        if skip:
+            return
+        if preload is None:
             # The package itself is imported here, not on the thread: code on this thread may
             # run `from transformers import ...` meanwhile (xgrammar did, at the engine core's
             # import), and a thread that finds the package half-initialized by another gets an
             # ImportError. Its submodules, the seconds, import safely on either thread.
             import transformers  # noqa: F401
 
-            self._future = self._pool.submit(load_tokenizer, model_config)
+        self._future = self._pool.submit(_import_then_load, preload, model_config)
 
     def result(self) -> Any:
         """The tokenizer (None when skipped); raises what `load_tokenizer` raised."""
@@ -110,3 +119,9 @@ def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
     if isinstance(token_id, (list, tuple)):
         token_id = token_id[0] if token_id else None
     return token_id
+
+
+def _import_then_load(module: str | None, model_config: ModelConfig) -> Any:
+    if module is not None:
+        importlib.import_module(module)
+    return load_tokenizer(model_config)

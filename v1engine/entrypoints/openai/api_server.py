@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API server: the FastAPI app, its routes, and `run_server`.
+"""The OpenAI-compatible API server: the FastAPI app, its routes, and `serve` (startup.py's
+`run_server` starts the engine and calls it).
 
 Processes: this one (uvicorn, tokenizer, detokenizer, one AsyncLLM output loop) -> the
 engine core process -> one worker per device. Lifetime:
@@ -14,7 +15,6 @@ engine core process -> one worker per device. Lifetime:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import signal
 from dataclasses import dataclass
@@ -29,10 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from v1engine import __version__
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
-from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
-from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
 from v1engine.entrypoints.openai.protocol import (
@@ -45,15 +43,9 @@ from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, Tok
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from v1engine.entrypoints.openai.startup import (
-    bind_socket,
-    describe_kv_capacity,
-    log_startup_line,
-    served_model_names,
-)
+from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
 from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
-from v1engine.tokenizer import BackgroundTokenizerLoad
 
 logger = init_logger(__name__)
 
@@ -197,47 +189,9 @@ def build_state(
 
 
 # -- running --------------------------------------------------------------------------------------
-def run_server(args: argparse.Namespace) -> int:
-    """Runs the server until a signal (returns 0) or the engine's death (returns 1).
-
-    Raises:
-        ValueError / RuntimeError: bad arguments, a busy port, or an engine that cannot start.
-    """
-    # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
-    signal.signal(signal.SIGTERM, _raise_system_exit)
-    engine_args = EngineArgs.from_cli_args(args)
-    limits = RequestLimits.from_cli_args(args)
-    options = ServingOptions.from_cli_args(args)
-    if engine_args.model is None:
-        from v1engine.model.hf_config import default_model_path
-
-        engine_args.model = default_model_path()
-    config = engine_args.create_engine_config()
-    names = served_model_names(args.served_model_name, args.model, engine_args.model)
-    sock = bind_socket(args.host, args.port)
-    try:
-        with BackgroundTokenizerLoad(config.model_config) as tokenizer_load:
-            # Built outside the event loop so that Ctrl-C interrupts a slow start-up at once.
-            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
-            try:
-                tokenizer = tokenizer_load.result()
-                metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
-                state = build_state(
-                    AsyncLLM(client, tokenizer, config, metrics),
-                    tokenizer,
-                    names,
-                    engine_args.model,
-                    limits,
-                    options,
-                )
-                return asyncio.run(_serve(args, state, sock))
-            finally:
-                client.shutdown()
-    finally:
-        sock.close()
-
-
-async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
+async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
+    """Serves on `sock` until a signal (returns 0) or the engine's death (returns 1); the engine
+    core is ready (startup.run_server got it there)."""
     engine = state.engine
     config: EngineConfig = engine.config
     server = uvicorn.Server(
@@ -269,10 +223,6 @@ async def _serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int
         return 1
     logger.info("server stopped")
     return 0
-
-
-def _raise_system_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _note_signal(signum: int, frame: Any) -> None:

@@ -1,17 +1,73 @@
-"""Start-up pieces of the API server: the listening socket, the served model names and the one
-start-up line (which reports the KV cache the engine's READY message described).
+"""The API server's start-up, from parsed flags to a serving app: `run_server` checks the flags,
+binds the socket, starts the engine core and, while the core starts, imports the HTTP app and
+loads the tokenizer on a helper thread; then api_server.py serves. Also the served model names
+and the one start-up line (which reports the KV cache the engine's READY message described).
+
+This module and `v1engine.serve` import no HTTP framework: the app's modules (fastapi, uvicorn,
+pydantic, ~0.5 s) load on the helper thread, and every process multiprocessing spawns (the
+engine core, then each worker) re-imports the launching module `v1engine.serve` first.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
 import socket
 from typing import Any
 
 from v1engine.core_protocol import EngineCoreInfo
+from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
+from v1engine.process import install_sigterm_handler
+from v1engine.tokenizer import BackgroundTokenizerLoad
 
 logger = init_logger(__name__)
+
+_APP_MODULE = "v1engine.entrypoints.openai.api_server"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Runs the server until a signal (returns 0) or the engine's death (returns 1).
+
+    Raises:
+        ValueError / RuntimeError: bad arguments, a busy port, or an engine that cannot start.
+    """
+    from v1engine.entrypoints.openai.limits import RequestLimits  # loaded by the flag parser
+    from v1engine.entrypoints.openai.structured import ServingOptions
+
+    # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
+    install_sigterm_handler()
+    engine_args = EngineArgs.from_cli_args(args)
+    limits = RequestLimits.from_cli_args(args)
+    options = ServingOptions.from_cli_args(args)
+    if engine_args.model is None:
+        from v1engine.model.hf_config import default_model_path
+
+        engine_args.model = default_model_path()
+    config = engine_args.create_engine_config()
+    names = served_model_names(args.served_model_name, args.model, engine_args.model)
+    sock = bind_socket(args.host, args.port)
+    try:
+        with BackgroundTokenizerLoad(config.model_config, preload=_APP_MODULE) as loading:
+            # On this thread, outside any event loop, so Ctrl-C interrupts a slow start-up at once.
+            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
+            try:
+                tokenizer = loading.result()
+                # All loaded on the helper thread by now.
+                from v1engine.engine.async_llm import AsyncLLM
+                from v1engine.engine.metrics import ServerMetrics
+                from v1engine.entrypoints.openai.api_server import build_state, serve
+
+                metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
+                engine = AsyncLLM(client, tokenizer, config, metrics)
+                state = build_state(engine, tokenizer, names, engine_args.model, limits, options)
+                return asyncio.run(serve(args, state, sock))
+            finally:
+                client.shutdown()
+    finally:
+        sock.close()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
