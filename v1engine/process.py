@@ -80,6 +80,12 @@ class ChildStartupError(RuntimeError):
         self.label = label
         self.exc_type = exc_type
 
+    def for_caller(self) -> Exception:
+        """This failure as the parent raises it: a bad configuration (a ValueError in the child)
+        stays a ValueError, as if the child's code had run in the parent; anything else is a
+        RuntimeError. The message, with the child's traceback, is the same."""
+        return (ValueError if self.exc_type == "ValueError" else RuntimeError)(str(self))
+
 
 def describe_exitcode(exitcode: int | None) -> str:
     """An exit code in words: "exit code 3", "exit code -9, killed by SIGKILL"."""

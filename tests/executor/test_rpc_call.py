@@ -9,24 +9,26 @@ import msgspec
 import pytest
 
 from tests.executor.rpc_worker import RPCTestWorker, rank_times
-from v1engine.executor.rpc_call import RpcCall
+from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 
 WORKER = RPCTestWorker(config=None, local_rank=1, rank=1, distributed_init_method="")
 
 
 def test_a_public_method_name_is_checked_against_the_worker_class():
-    RpcCall("echo", (1,)).check(RPCTestWorker, world_size=2)
+    methods = WorkerMethods.of(RPCTestWorker)
+    assert "echo" in methods.names and "rank" not in methods.names  # an attribute, not a method
+    RpcCall("echo", (1,)).check(methods, world_size=2)
     for name in ("no_such_method", "_private_helper", "rank"):
-        with pytest.raises(ValueError, match=f"unknown RPC method '{name}'.*public methods"):
-            RpcCall(name).check(RPCTestWorker, world_size=2)
+        with pytest.raises(ValueError, match=f"unknown RPC method '{name}'.*RPCTestWorker.*echo"):
+            RpcCall(name).check(methods, world_size=2)
     with pytest.raises(ValueError, match=r"unique_reply_rank must be in \[0, 2\)"):
-        RpcCall("echo", unique_reply_rank=2).check(RPCTestWorker, world_size=2)
+        RpcCall("echo", unique_reply_rank=2).check(methods, world_size=2)
 
 
 @pytest.mark.parametrize("function", [rank_times, RPCTestWorker.get_rank])
 def test_module_level_functions_and_class_methods_run_with_the_worker(function):
     call = RpcCall(function, (10,) if function is rank_times else ())
-    call.check(RPCTestWorker, world_size=2)
+    call.check(WorkerMethods.of(RPCTestWorker), world_size=2)
     assert call.run_on(WORKER) == (10 if function is rank_times else 1)
 
 

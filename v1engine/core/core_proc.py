@@ -19,12 +19,14 @@ watching the client's sentinel stops the workers and exits when the client dies,
 from __future__ import annotations
 
 import glob
+import importlib
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -286,6 +288,10 @@ def run_engine_core(
 ) -> None:
     """Entry point of the spawned engine core process (see process.py for the handshake)."""
     install_sigterm_handler()
+    # The workers' first replies (their KV cache specs) carry torch dtypes, so unpickling them
+    # imports torch, ~1 s; on a thread now, that overlaps the workers' own start-up instead.
+    # Not a daemon: an interpreter must not exit in the middle of a thread's import.
+    threading.Thread(target=importlib.import_module, args=("torch",), name="import-torch").start()
     # Ctrl-C reaches the whole process group; the client decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     proc = report_startup(

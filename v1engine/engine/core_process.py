@@ -91,8 +91,7 @@ class CoreProcess:
         try:
             info = self.child.wait_until_ready(ENGINE_CORE_STARTUP_TIMEOUT_S)
         except ChildStartupError as e:
-            # A bad configuration stays a ValueError for the caller, as if built in-process.
-            raise (ValueError if e.exc_type == "ValueError" else RuntimeError)(str(e)) from None
+            raise e.for_caller() from None
         self.ready = True
         return info
 

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from v1engine.executor.rpc_call import RpcCall
+from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 
 if TYPE_CHECKING:
     from v1engine.config import EngineConfig
@@ -96,11 +96,14 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel_config.world_size
-        self.worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
+        # What calls may name, from the started workers: the worker class is imported where the
+        # workers run, not here (its module imports torch, ~1.3 s the workers would wait for).
+        self.worker_methods: WorkerMethods | None = None
         self._init_executor()
 
     @abstractmethod
-    def _init_executor(self) -> None: ...
+    def _init_executor(self) -> None:
+        """Starts the workers and sets `worker_methods`."""
 
     def collective_rpc(
         self,
@@ -145,7 +148,7 @@ class Executor(ABC):
                 before they are presumed stuck and the group is ended (group_executor.py's
                 module doc).
         """
-        call.check(self.worker_cls, self.world_size)
+        call.check(self.worker_methods, self.world_size)
         return self._run_rpc(call, non_block, lockstep)
 
     @abstractmethod

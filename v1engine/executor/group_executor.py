@@ -100,6 +100,7 @@ class GroupExecutor(Executor):
 
     def _init_executor(self) -> None:
         self._group = self._make_group()
+        self.worker_methods = self._group.worker_methods
         self._finalizer = weakref.finalize(self, self._group.shutdown)
         self._call_ids = itertools.count()
         self._pending: deque[_PendingCall] = deque()

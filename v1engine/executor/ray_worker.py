@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import ray
 
-from v1engine.executor.message_queue import Handle
 from v1engine.executor.worker_proc import (
     StartedWorker,
     WorkerProcArgs,
+    WorkerReady,
     serve_until_shutdown,
     start_worker,
 )
@@ -54,7 +54,7 @@ class RayWorker:
 
     def start(
         self, args: WorkerProcArgs, cuda_visible_devices: str | None, local_world_size: int
-    ) -> Handle:
+    ) -> WorkerReady:
         """Builds the worker (init_device + load_model) and attaches the queues.
 
         Args:
@@ -69,7 +69,7 @@ class RayWorker:
             os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
         self._rank = args.rank
         self._started = start_worker(args)
-        return self._started.response_mq.export_handle()
+        return self._started.ready_message()
 
     def serve(self) -> None:
         serve_until_shutdown(self._started, self._rank)

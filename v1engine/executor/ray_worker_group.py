@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from v1engine.executor.message_queue import Handle, MessageQueue
+from v1engine.executor.message_queue import MessageQueue
 from v1engine.executor.ray_cluster import (
     connect_ray,
     cuda_visible_devices,
@@ -33,7 +33,7 @@ from v1engine.executor.ray_cluster import (
 )
 from v1engine.executor.ray_worker import NodeInfo, RayWorker
 from v1engine.executor.worker_group import WorkerGroupBase
-from v1engine.executor.worker_proc import worker_env_defaults
+from v1engine.executor.worker_proc import WorkerReady, worker_env_defaults
 from v1engine.logger import init_logger
 from v1engine.process import (
     GRACEFUL_STOP_S,
@@ -67,9 +67,9 @@ class RayWorkerGroup(WorkerGroupBase):
         use_gpu = config.device_config.device_type == "cuda"
         self._placement_group = reserve_placement_group(world_size, use_gpu)
         self._place_actors(world_size, use_gpu)
-        handles = self._start_workers(config, world_size)
+        readies = self._start_workers(config, world_size)
         self._serve_refs = [actor.serve.remote() for actor in self.actors]
-        self._attach_response_queues(handles)
+        self._attach_response_queues(readies)
 
     def _place_actors(self, world_size: int, use_gpu: bool) -> None:
         """One actor per bundle; then self.actors and self.node_infos in rank order."""
@@ -108,7 +108,7 @@ class RayWorkerGroup(WorkerGroupBase):
             ),
         )
 
-    def _start_workers(self, config: Any, world_size: int) -> list[Handle]:
+    def _start_workers(self, config: Any, world_size: int) -> list[WorkerReady]:
         driver_node_id = ray.get_runtime_context().get_node_id()
         is_local = [info.node_id == driver_node_id for info in self.node_infos]
         self.broadcast_mq = MessageQueue(
@@ -131,27 +131,27 @@ class RayWorkerGroup(WorkerGroupBase):
             refs.append(self.actors[rank].start.remote(args, visible[rank], node_ranks))
         return self._wait_for_ready(refs)
 
-    def _wait_for_ready(self, refs: list[Any]) -> list[Handle]:
-        """Collects every rank's reply-queue handle; the first rank to fail ends the wait with
+    def _wait_for_ready(self, refs: list[Any]) -> list[WorkerReady]:
+        """Collects every rank's READY (`WorkerReady`); the first rank to fail ends the wait with
         its traceback, so a broken worker never hangs the engine."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        handles: dict[int, Handle] = {}
+        readies: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + WORKER_STARTUP_TIMEOUT_S
-        while len(handles) < len(refs):
-            pending = [ref for ref, rank in rank_of.items() if rank not in handles]
+        while len(readies) < len(refs):
+            pending = [ref for ref, rank in rank_of.items() if rank not in readies]
             ready, _ = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise RuntimeError(f"workers did not start within {WORKER_STARTUP_TIMEOUT_S:.0f} s")
             rank = rank_of[ready[0]]
             try:
-                handles[rank] = ray.get(ready[0])
+                readies[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
                 raise RuntimeError(
                     f"worker rank {rank} died during start-up ({describe_actor_death(e)})"
                 ) from None
             except ray.exceptions.RayTaskError as e:
                 raise RuntimeError(f"worker rank {rank} failed to start:\n{e}") from None
-        return [handles[rank] for rank in range(len(refs))]
+        return [readies[rank] for rank in range(len(refs))]
 
     # -- monitoring and shut-down ------------------------------------------------------------
     def _wait_for_death(self) -> tuple[int, str] | None:

@@ -8,8 +8,9 @@ What a worker can be asked to run:
   name, so those must lead back to the very same object: lambdas, functions defined inside
   functions and methods bound to an instance are refused when the RpcCall is built, before
   anything is sent.
-The method name is checked against the worker class by `check()`, on the side that knows it
-(the executor); the rest at construction, on every side.
+The method name is checked by `check()` against the worker class's `WorkerMethods`, which each
+worker reports in its READY message (so the engine core never imports the worker's module, nor
+torch with it); the rest at construction, on every side.
 
 Wire form (`to_wire()` / `from_wire()`, for the client -> engine-core socket), msgpack-able:
     {"method": str, "is_function": bool, "args": list, "kwargs": dict[str, Any],
@@ -33,6 +34,21 @@ _WHAT_TO_PASS = (
     "function (or a method as Class.method) that the worker processes can import, called as "
     "fn(worker, *args, **kwargs)"
 )
+
+
+@dataclass(frozen=True)
+class WorkerMethods:
+    """What a worker class can be asked to run by name: its public callables."""
+
+    class_name: str
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, worker_cls: type) -> WorkerMethods:
+        names = (n for n in dir(worker_cls) if not n.startswith("_"))
+        return cls(
+            worker_cls.__qualname__, frozenset(n for n in names if callable(getattr(worker_cls, n)))
+        )
 
 
 @dataclass(frozen=True)
@@ -81,21 +97,19 @@ class RpcCall:
             return self.method.path.replace(":", ".")
         return f"{self.method.__module__}.{self.method.__qualname__}"
 
-    def check(self, worker_cls: type, world_size: int) -> None:
-        """The part of the rule that needs the receiving side: a method name must be a public
-        method of `worker_cls`, and `unique_reply_rank` one of the `world_size` ranks.
+    def check(self, worker_methods: WorkerMethods, world_size: int) -> None:
+        """The part of the rule that needs the receiving side: a method name must be one of
+        the worker class's `worker_methods`, and `unique_reply_rank` one of the `world_size`
+        ranks.
 
         Raises:
             ValueError: the call cannot run; the caller has sent nothing yet.
         """
-        if isinstance(self.method, str):
-            attr = getattr(worker_cls, self.method, None)
-            if self.method.startswith("_") or not callable(attr):
-                public = sorted(n for n in dir(worker_cls) if not n.startswith("_"))
-                raise ValueError(
-                    f"unknown RPC method {self.method!r} for worker class "
-                    f"{worker_cls.__qualname__}; public methods: {public}"
-                )
+        if isinstance(self.method, str) and self.method not in worker_methods.names:
+            raise ValueError(
+                f"unknown RPC method {self.method!r} for worker class "
+                f"{worker_methods.class_name}; public methods: {sorted(worker_methods.names)}"
+            )
         rank = self.unique_reply_rank
         if rank is not None and not 0 <= rank < world_size:
             raise ValueError(f"unique_reply_rank must be in [0, {world_size}) or None, got {rank}")

@@ -9,21 +9,23 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from v1engine.executor.abstract import Executor, build_worker
+from v1engine.executor.abstract import Executor, build_worker, resolve_worker_cls
 from v1engine.executor.errors import RemoteFailure, WorkerError
-from v1engine.executor.rpc_call import RpcCall
+from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 from v1engine.process import get_distributed_init_method
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
+        worker_cls = resolve_worker_cls(self.config.parallel_config.worker_cls)
         self.worker = build_worker(
-            self.worker_cls,
+            worker_cls,
             self.config,
             rank=0,
             local_rank=0,
             distributed_init_method=get_distributed_init_method(),
         )
+        self.worker_methods = WorkerMethods.of(worker_cls)
         self._is_shut_down = False
 
     def _run_rpc(self, call: RpcCall, non_block: bool, lockstep: bool) -> Any:

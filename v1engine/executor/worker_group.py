@@ -21,10 +21,12 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from v1engine.executor.message_queue import Handle, MessageQueue, make_ipc_dir
+from v1engine.executor.message_queue import MessageQueue, make_ipc_dir
+from v1engine.executor.rpc_call import WorkerMethods
 from v1engine.executor.worker_proc import (
     SHUTDOWN,
     WorkerProcArgs,
+    WorkerReady,
     worker_env_defaults,
     worker_main,
 )
@@ -32,6 +34,7 @@ from v1engine.process import (
     HANDSHAKE_TIMEOUT_S,
     WORKER_STARTUP_TIMEOUT_S,
     ChildProcess,
+    ChildStartupError,
     stop_children,
     wait_until_ready,
 )
@@ -50,6 +53,7 @@ class WorkerGroupBase:
         self.is_shut_down = False
         self.broadcast_mq: MessageQueue | None = None
         self.response_mqs: list[MessageQueue] = []
+        self.worker_methods: WorkerMethods | None = None  # once started
         self._shutdown_lock = threading.Lock()
         self._monitor_thread: threading.Thread | None = None
         self.ipc_dir = make_ipc_dir()
@@ -128,9 +132,11 @@ class WorkerGroupBase:
             return False
         return True
 
-    def _attach_response_queues(self, handles: list[Handle]) -> None:
+    def _attach_response_queues(self, readies: list[WorkerReady]) -> None:
         """Reads each rank's replies, then passes every queue's ready barrier with the workers."""
-        self.response_mqs = [MessageQueue.create_from_handle(h, 0) for h in handles]
+        # Every rank runs the same class.
+        self.worker_methods = readies[0].methods
+        self.response_mqs = [MessageQueue.create_from_handle(r.response_handle, 0) for r in readies]
         self.broadcast_mq.wait_until_ready(timeout=HANDSHAKE_TIMEOUT_S)
         for mq in self.response_mqs:
             mq.wait_until_ready(timeout=HANDSHAKE_TIMEOUT_S)
@@ -187,7 +193,11 @@ class WorkerGroup(WorkerGroupBase):
                 )
             )
         # A rank that fails or dies ends the wait at once with its traceback or exit code.
-        self._attach_response_queues(wait_until_ready(self._procs, WORKER_STARTUP_TIMEOUT_S))
+        try:
+            readies = wait_until_ready(self._procs, WORKER_STARTUP_TIMEOUT_S)
+        except ChildStartupError as e:
+            raise e.for_caller() from None
+        self._attach_response_queues(readies)
 
     # -- monitoring and shut-down ------------------------------------------------------------
     def _wait_for_death(self) -> tuple[int, str] | None:

@@ -19,7 +19,7 @@ from typing import Any
 from v1engine.executor.abstract import build_worker, resolve_worker_cls
 from v1engine.executor.errors import RemoteFailure
 from v1engine.executor.message_queue import Handle, MessageQueue, QueueClosedError
-from v1engine.executor.rpc_call import RpcCall
+from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 from v1engine.logger import set_process_rank
 from v1engine.process import (
     HANDSHAKE_TIMEOUT_S,
@@ -72,9 +72,20 @@ class StartedWorker:
     broadcast_mq: MessageQueue
     response_mq: MessageQueue
 
+    def ready_message(self) -> WorkerReady:
+        return WorkerReady(self.response_mq.export_handle(), WorkerMethods.of(type(self.worker)))
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """What a started worker tells the engine: where to read its replies, and what it runs."""
+
+    response_handle: Handle
+    methods: WorkerMethods
+
 
 def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
-    """Entry point of a spawned worker process; READY carries its response queue's handle."""
+    """Entry point of a spawned worker process; READY carries its `WorkerReady`."""
     set_process_rank(args.rank)
     install_sigterm_handler()
     # Ctrl-C reaches the whole process group; the engine process decides when workers stop.
@@ -82,9 +93,7 @@ def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
     # The engine process died (even by SIGKILL): remove the shared memory and socket files it
     # can no longer remove itself.
     parent_watch = watch_parent(lambda: MessageQueue.remove_all(args.ipc_dir))
-    started = report_startup(
-        ready_conn, lambda: start_worker(args), lambda s: s.response_mq.export_handle()
-    )
+    started = report_startup(ready_conn, lambda: start_worker(args), StartedWorker.ready_message)
     try:
         serve_until_shutdown(started, args.rank)
     except SystemExit:
