@@ -3,9 +3,11 @@ binds the socket, starts the engine core and, while the core starts, imports the
 loads the tokenizer on a helper thread; then api_server.py serves. Also the served model names
 and the one start-up line (which reports the KV cache the engine's READY message described).
 
-This module and `v1engine.serve` import no HTTP framework: the app's modules (fastapi, uvicorn,
-pydantic, ~0.5 s) load on the helper thread, and every process multiprocessing spawns (the
-engine core, then each worker) re-imports the launching module `v1engine.serve` first.
+This module and `v1engine.serve` keep heavy imports out of their tops: every process that
+multiprocessing spawns (the engine core, then each worker) re-imports the launching module
+`v1engine.serve` first. In this process the flag parser's modules (limits, structured outputs)
+load fastapi before the core starts (~0.3 s); the rest of the app (routes, protocol models,
+uvicorn) loads on the helper thread.
 """
 
 from __future__ import annotations
