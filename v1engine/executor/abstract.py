@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,16 +20,31 @@ def resolve_worker_cls(qualname: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(
-            f"worker_cls {qualname!r}: cannot import module {module_name!r} ({e}); "
-            "pass a dotted path importable from sys.path"
-        ) from e
+        raise _cannot_import(qualname, e) from e
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
         raise ValueError(
             f"worker_cls {qualname!r}: module {module_name!r} has no class {cls_name!r}"
         )
     return cls
+
+
+def check_worker_module(qualname: str) -> None:
+    """Raises the ValueError `resolve_worker_cls` would for a module that does not exist, without
+    running the module (the engine core refuses a typo before it starts any worker)."""
+    try:
+        found = importlib.util.find_spec(qualname.rpartition(".")[0]) is not None
+    except ImportError as e:  # a parent package that does not exist or fails to import
+        raise _cannot_import(qualname, e) from e
+    if not found:
+        raise _cannot_import(qualname, "no such module")
+
+
+def _cannot_import(qualname: str, reason: object) -> ValueError:
+    return ValueError(
+        f"worker_cls {qualname!r}: cannot import module {qualname.rpartition('.')[0]!r} "
+        f"({reason}); pass a dotted path importable from sys.path"
+    )
 
 
 def build_worker(
@@ -99,6 +115,7 @@ class Executor(ABC):
         # What calls may name, from the started workers: the worker class is imported where the
         # workers run, not here (its module imports torch, ~1.3 s the workers would wait for).
         self.worker_methods: WorkerMethods | None = None
+        check_worker_module(config.parallel_config.worker_cls)
         self._init_executor()
 
     @abstractmethod
