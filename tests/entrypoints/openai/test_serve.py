@@ -126,6 +126,28 @@ def test_n_seed_and_sampling(client):
     assert first.usage.completion_tokens == 24
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_n_choices_come_one_per_chunk(client, endpoint):
+    # Clients commonly read `chunk.choices[0]`: with n > 1 a chunk holding two choices would
+    # lose the second there (OpenAI and vLLM send one choice per chunk).
+    kwargs = dict(model=MODEL, max_tokens=6, n=3, temperature=1.0, seed=11)
+    if endpoint == "chat":
+        create, kwargs["messages"] = (
+            client.chat.completions.create,
+            [{"role": "user", "content": "Hi"}],
+        )
+        whole = [c.message.content for c in create(**kwargs).choices]
+    else:
+        create, kwargs["prompt"] = client.completions.create, PROMPTS[2]
+        whole = [c.text for c in create(**kwargs).choices]
+    texts = ["", "", ""]
+    for chunk in create(**kwargs, stream=True):
+        assert len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        texts[choice.index] += (choice.delta.content if endpoint == "chat" else choice.text) or ""
+    assert texts == whole
+
+
 def test_stop_string_cuts_the_text(client):
     base = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, **GREEDY)
     text = base.choices[0].text

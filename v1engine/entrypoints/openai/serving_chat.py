@@ -108,9 +108,9 @@ class OpenAIServingChat(OpenAIServing):
         async for completions in stream_steps(outputs, tally):
             if mode is None:
                 choices = [_stream_choice(completion, request) for completion in completions]
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices)
-                continue
-            for choice in _tool_stream_choices(completions, mode, texts):
+            else:
+                choices = _tool_stream_choices(completions, mode, texts)
+            for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                 yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
         if request.include_usage and tally.last is not None:
             usage = make_usage(tally.last, tally.num_completion_tokens)

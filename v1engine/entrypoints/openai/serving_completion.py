@@ -116,7 +116,6 @@ class OpenAIServingCompletion(OpenAIServing):
         async for prompt_index, completions in merge_async_iterators(steps):
             tally = tallies[prompt_index]
             assert tally.last is not None
-            choices = []
             for completion in completions:
                 index = prompt_index * request.n + completion.index
                 # The choice's first chunk carries the echoed prompt (as vLLM sends it).
@@ -124,9 +123,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if index not in text_offsets:
                     echo = self._echo(tally.last, tally.prompt_logprobs, request)
                 offset = text_offsets.get(index, 0)
-                choices.append(self._choice(completion, prompt_index, request, echo, offset))
-                text_offsets[index] = offset + len(choices[-1].text)
-            yield CompletionResponse(id=request_id, model=self.model_name, choices=choices)
+                choice = self._choice(completion, prompt_index, request, echo, offset)
+                text_offsets[index] = offset + len(choice.text)
+                # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
+                yield CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
         if request.include_usage:
             usages = [
                 make_usage(t.last, 0 if request.scores_prompt_only else t.num_completion_tokens)
