@@ -85,7 +85,7 @@ def test_prefix_cache_computes_only_new_tokens(llm_tp1, hf_model):
     assert second.num_cached_tokens == 64
     assert [second.outputs[0].token_ids] == hf_greedy(hf_model, [prefix + [6, 7]], 12)
     assert first.outputs[0].token_ids == hf_greedy(hf_model, [prefix + [5]], 12)[0]
-    assert llm_tp1.engine_core.reset_prefix_cache()
+    assert llm_tp1.reset_prefix_cache()
     again = llm_tp1.generate([prefix + [6, 7]], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].token_ids == second.outputs[0].token_ids
@@ -158,3 +158,18 @@ def test_n_greater_than_one_returns_n_completions(llm_tp1):
     (output,) = llm_tp1.generate([PROMPTS[0]], params, use_tqdm=False)
     assert [c.index for c in output.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 5 for c in output.outputs)
+
+
+def _num_kv_heads(worker) -> int:
+    """Run in each worker as fn(worker): its rank's share of the KV heads."""
+    (spec, *_) = worker.get_kv_cache_spec().values()
+    return spec.num_kv_heads
+
+
+def test_collective_rpc_and_get_tokenizer_as_in_vllm(llm_tp2):
+    specs = llm_tp2.collective_rpc("get_kv_cache_spec")
+    assert len(specs) == 2 and specs[0] == specs[1]
+    heads = llm_tp2.collective_rpc(_num_kv_heads)
+    assert heads == [next(iter(specs[0].values())).num_kv_heads] * 2
+    assert llm_tp2.collective_rpc(_num_kv_heads, unique_reply_rank=1) == heads[1]
+    assert llm_tp2.get_tokenizer() is None  # make_llm skips the tokenizer

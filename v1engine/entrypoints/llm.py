@@ -5,7 +5,7 @@ its workers do not. Prompts go through the same `Processor` as the API server's.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
@@ -19,6 +19,8 @@ from v1engine.sampling_params import SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from v1engine.core.engine_core import EngineCore
 
 
@@ -89,6 +91,25 @@ class LLM:
             text, token_ids = self.processor.render_chat(conversation)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer prompts go through (None with `skip_tokenizer_init`)."""
+        return self.tokenizer
+
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Runs `method` on every worker and returns their results (see `EngineCore`)."""
+        return self.client.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block; False (and nothing done) while requests run."""
+        return self.client.reset_prefix_cache()
 
     # -- steps ---------------------------------------------------------------------------------
     def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
