@@ -13,7 +13,8 @@ Each HTTP handler adds its request (`add_request`, which raises ValueError for b
 anything is sent) and iterates the outputs it returns (one asyncio.Queue per request); leaving
 that iteration early (client gone, handler cancelled) aborts the request in the core. When the
 engine dies, every queue gets the EngineDeadError, later calls raise it, and `on_dead` runs once
-(the server then exits).
+(the server then exits). When the server stops, `end_requests` does the same with a
+ServerShutdownError for whatever its grace period did not let finish.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (its client went away) while someone still read its outputs."""
 
 
+class ServerShutdownError(EngineDeadError):
+    """The server stopped serving before the request finished; the engine itself is fine.
+    An EngineDeadError, because for the request the outcome is the same: retry elsewhere."""
+
+
 class AsyncLLM:
     """Args:
     client: an `AsyncMPClient` (or anything with its async add/abort/get_output methods).
@@ -61,6 +67,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = Processor(config, tokenizer, self.output_processor, client.info)
         self.dead_reason: str | None = None
+        self._closed = False  # new requests are refused: the engine died or the server stops
+        self._stopped = False  # the output loop is gone: nothing is sent to the core any more
         self._queues: dict[str, asyncio.Queue] = {}
         self._background: set[asyncio.Task] = set()  # abort sends, kept alive until done
         self._output_loop: asyncio.Task | None = None
@@ -72,13 +80,21 @@ class AsyncLLM:
         self._on_dead = on_dead
         self._output_loop = asyncio.get_running_loop().create_task(self._run_output_loop())
 
+    def end_requests(self) -> None:
+        """Ends every request in flight with a ServerShutdownError (its response then ends
+        with a 503 rather than being cancelled) and refuses new ones: the server's grace
+        period for running requests is over. What still runs in the core is aborted there."""
+        self._fail_all(ServerShutdownError("the server is shutting down"), outcome="abort")
+
     async def stop(self) -> None:
-        """Stops the output loop and fails whatever still waits (the server is going away)."""
+        """Ends what is still in flight, then stops the output loop (the server is going away)."""
+        if not self._closed:
+            self.end_requests()
+        self._stopped = True
         if self._output_loop is not None:
             self._output_loop.cancel()
             await asyncio.gather(self._output_loop, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
-        self._fail_all(EngineDeadError("the server is shutting down"), outcome="abort")
 
     @property
     def is_dead(self) -> bool:
@@ -104,6 +120,8 @@ class AsyncLLM:
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self._closed:
+            raise ServerShutdownError("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         sent: list[str] = []
@@ -165,7 +183,7 @@ class AsyncLLM:
         return core_ids
 
     def _abort_in_core(self, core_ids: list[str]) -> None:
-        if core_ids and self.dead_reason is None:
+        if core_ids and self.dead_reason is None and not self._stopped:
             task = asyncio.get_running_loop().create_task(self._send_abort(core_ids))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -224,8 +242,7 @@ class AsyncLLM:
             self._on_dead()
 
     def _fail_all(self, error: EngineDeadError, outcome: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = str(error)
+        self._closed = True
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(error)

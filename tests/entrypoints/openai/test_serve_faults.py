@@ -100,6 +100,31 @@ def test_sigterm_during_load_exits_cleanly(server):
 
 
 @pytest.fixture
+def slow_server(tiny_model, tmp_path):
+    worker_cls = "tests.entrypoints.openai.faulty_worker.SlowWorker"
+    args = ("--served-model-name", MODEL, "--worker-cls", worker_cls)
+    remote = RemoteServer(tiny_model, str(tmp_path), *args, tp=1)
+    try:
+        yield remote.wait_ready()
+    finally:
+        remote.kill()
+
+
+def test_sigterm_ends_requests_past_the_grace_period_with_a_503(slow_server):
+    # 200 steps of SLOW_STEP_S outlast the 5 s grace period: the engine ends these requests,
+    # each with a whole response, rather than uvicorn cutting their connections.
+    sigterm = lambda: slow_server.proc.send_signal(signal.SIGTERM)  # noqa: E731
+    results = asyncio.run(_load_then(slow_server, 200, sigterm))
+    for status, error in results:
+        assert status == "error" and "the server is shutting down" in str(error), error
+    for _, error in results[-2:]:  # the whole (non-streaming) requests: a 503 response
+        assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+    assert slow_server.proc.wait(scaled(60)) == 0, slow_server.log_text()[-3000:]
+    slow_server.assert_gone()
+    assert "Traceback" not in slow_server.log_text()
+
+
+@pytest.fixture
 def faulty_server(tiny_model, tmp_path):
     worker_cls = "tests.entrypoints.openai.faulty_worker.FaultyWorker"
     args = ("--served-model-name", MODEL, "--worker-cls", worker_cls)

@@ -6,8 +6,9 @@ engine core process -> one worker per device. Lifetime:
 - start-up: bind the socket, start the engine (Ctrl-C or SIGTERM here stops it cleanly), log
   one line, serve;
 - SIGINT/SIGTERM while serving: uvicorn stops accepting, lets running responses finish for up
-  to `_GRACEFUL_SHUTDOWN_S`, cancels the rest (which aborts them); then the engine stops and
-  the process exits 0;
+  to `_GRACEFUL_SHUTDOWN_S`, then the engine ends the rest with a 503 "the server is shutting
+  down" (a stream's error event) and aborts them in the core; then the engine stops and the
+  process exits 0;
 - the engine dying: `/health` turns 503, every request in flight ends with a 503 error (an
   error event in a stream), the server shuts down the same way and exits 1.
 """
@@ -15,6 +16,7 @@ engine core process -> one worker per device. Lifetime:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import signal
 from dataclasses import dataclass
@@ -49,7 +51,11 @@ from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Once the server stops accepting (SIGINT/SIGTERM, or the engine died), running responses get
+# this long to finish; then the engine ends the rest (a 503, or a stream's error event), and
+# uvicorn waits _END_RESPONSES_S more for those last writes before it cancels what is left.
 _GRACEFUL_SHUTDOWN_S = 5.0
+_END_RESPONSES_S = 2.0
 
 
 @dataclass
@@ -194,14 +200,15 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
     core is ready (startup.run_server got it there)."""
     engine = state.engine
     config: EngineConfig = engine.config
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             build_app(state, args.api_key),
             log_level=args.uvicorn_log_level,
             access_log=args.uvicorn_log_level in ("debug", "trace"),
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,
             lifespan="off",
-        )
+        ),
+        engine,
     )
     engine.start(on_dead=lambda: setattr(server, "should_exit", True))
     try:
@@ -223,6 +230,24 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
         return 1
     logger.info("server stopped")
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that the requests still running when the grace period ends
+    are ended by the engine, so each gets a whole response saying the server is shutting
+    down, instead of uvicorn cancelling its task (a cut connection, a traceback in the log)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(_GRACEFUL_SHUTDOWN_S, self.engine.end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def _note_signal(signum: int, frame: Any) -> None:

@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from v1engine.engine.async_llm import ServerShutdownError
+from v1engine.engine.core_process import EngineDeadError
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,6 +52,18 @@ class APIError(Exception):
         """A 400 for bad input; its param is the SamplingParams field that failed, else `param`."""
         match = _PARAM_PATTERN.search(str(error))
         return cls(str(error), param=match.group(1) if match else param)
+
+    @classmethod
+    def unavailable(cls, error: EngineDeadError) -> APIError:
+        """A 503 for a request the engine can no longer serve: the server is shutting down,
+        or the engine died (see `engine_dead`)."""
+        if isinstance(error, ServerShutdownError):
+            return cls(
+                "the server is shutting down before this request finished; send it again",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                type="server_error",
+            )
+        return cls.engine_dead(error.summary)
 
     @classmethod
     def engine_dead(cls, summary: str) -> APIError:

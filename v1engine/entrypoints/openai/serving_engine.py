@@ -235,7 +235,7 @@ class OpenAIServing:
         try:
             return list(await asyncio.gather(*tasks))
         except EngineDeadError as e:
-            raise APIError.engine_dead(e.summary) from e
+            raise APIError.unavailable(e) from e
         except RequestAbortedError as e:
             raise APIError(str(e)) from e
         finally:
@@ -256,8 +256,8 @@ class OpenAIServing:
             async for chunk in chunks:
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as e:
-            logger.debug("stream %s ended by the engine's death", runs[0][0])
-            yield APIError.engine_dead(e.summary).to_sse()
+            logger.debug("stream %s ended: %s", runs[0][0], e)
+            yield APIError.unavailable(e).to_sse()
         except Exception:
             logger.exception("stream %s failed", runs[0][0])
             yield internal_error().to_sse()
@@ -269,7 +269,7 @@ class OpenAIServing:
 def _add_error(error: BaseException, index: int | None, param: str) -> BaseException:
     """The API's error for an engine request the engine refused."""
     if isinstance(error, EngineDeadError):
-        return APIError.engine_dead(error.summary)
+        return APIError.unavailable(error)
     if not isinstance(error, ValueError):
         return error
     if index is not None:
