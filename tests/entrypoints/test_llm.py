@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -16,6 +20,7 @@ from tests.entrypoints.llm_utils import (
     token_ids,
 )
 from tests.model.checkpoints import load_hf_model, make_checkpoint
+from tests.timeouts import scaled
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 
@@ -173,3 +178,44 @@ def test_collective_rpc_and_get_tokenizer_as_in_vllm(llm_tp2):
     assert heads == [next(iter(specs[0].values())).num_kv_heads] * 2
     assert llm_tp2.collective_rpc(_num_kv_heads, unique_reply_rank=1) == heads[1]
     assert llm_tp2.get_tokenizer() is None  # make_llm skips the tokenizer
+
+
+_INTERRUPTED_GENERATE = """
+import json, signal, sys, threading
+from tests.entrypoints.llm_utils import GREEDY, PROMPTS, all_blocks_free, make_llm, token_ids
+from v1engine.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    worker_cls = "tests.entrypoints.openai.faulty_worker.SlowWorker"
+    with make_llm(sys.argv[1], tensor_parallel_size=1, worker_cls=worker_cls) as llm:
+        before = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        main = threading.main_thread().ident
+        threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()  # as Ctrl-C
+        try:
+            llm.generate(PROMPTS, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        after = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        left = len(llm.engine_core.scheduler.requests)
+        print(json.dumps([interrupted, before == after, all_blocks_free(llm), left]))
+"""
+
+
+def test_generate_interrupted_by_ctrl_c_leaves_the_engine_usable(checkpoint, tmp_path):
+    # In a notebook, Ctrl-C in `generate` and then `generate` again is the common case: the
+    # interrupted call's requests must be gone and its step (in flight at the worker) not lost.
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED_GENERATE)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, str(script), checkpoint],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, True, True, 0]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import signal
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -109,8 +111,9 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """Runs one step; `timeout` is ignored (the step runs in this thread)."""
-        with self._guard():
+        """Runs one step; `timeout` is ignored (the step runs in this thread). Ctrl-C during
+        the step raises KeyboardInterrupt when the step ends (`_keyboard_interrupt_deferred`)."""
+        with self._guard(), _keyboard_interrupt_deferred():
             return self.engine_core.step()
 
     def collective_rpc(
@@ -142,6 +145,34 @@ class InprocClient(EngineCoreClient):
         except WorkerDiedError as e:
             self._dead_reason = str(e)
             raise EngineDeadError(str(e)) from e
+
+
+@contextmanager
+def _keyboard_interrupt_deferred() -> Iterator[None]:
+    """Holds Ctrl-C (SIGINT) until the block ends, then raises KeyboardInterrupt: a step cut
+    halfway would drop the tokens it had in flight, and their requests would never finish. A
+    second Ctrl-C raises at once (a way out of a step that hangs). Signals reach only the main
+    thread, and a handler the user installed is theirs: in both cases this does nothing."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 class MPClient(EngineCoreClient):

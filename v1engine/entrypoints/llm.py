@@ -4,13 +4,14 @@ its workers do not. Prompts go through the same `Processor` as the API server's.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
@@ -75,7 +76,11 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         request_ids = self._add_requests(prompts, params)
-        outputs = self._run_engine(len(request_ids), use_tqdm)
+        try:
+            outputs = self._run_engine(len(request_ids), use_tqdm)
+        except BaseException:  # Ctrl-C included: no request of this call outlives it
+            self._abort(request_ids)
+            raise
         return [outputs[request_id] for request_id in request_ids]
 
     def chat(
@@ -128,9 +133,14 @@ class LLM:
                     except ValueError as e:
                         raise as_parent_error(e, request.request_id, parent_id) from e
         except BaseException:
-            self.client.abort_requests(self.processor.abort(parent_ids))
+            self._abort(parent_ids)
             raise
         return parent_ids
+
+    def _abort(self, parent_ids: list[str]) -> None:
+        core_ids = self.processor.abort(parent_ids)
+        with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
+            self.client.abort_requests(core_ids)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
