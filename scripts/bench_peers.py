@@ -95,6 +95,8 @@ def run_system(
         cmd = [python, os.path.join(_HERE, "_peer_runner.py"), name, "--model", model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
         cmd += ["--dtype", args.dtype, "--max-model-len", "2048" if args.nano_seqs else "1024"]
+        if args.vllm_memory_utilization is not None:
+            cmd += ["--vllm-memory-utilization", str(args.vllm_memory_utilization)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -145,6 +147,13 @@ def parse_args() -> argparse.Namespace:
         "--with-sync",
         action="store_true",
         help="also run v1engine with async scheduling off (system v1engine-sync)",
+    )
+    p.add_argument(
+        "--vllm-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's gpu_memory_utilization (on CPU: the share of the NUMA node's memory it "
+        "reserves; lower it where vLLM refuses to start for want of node memory)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
