@@ -1,4 +1,4 @@
-"""Our compiled CPU kernels (`cpu_kernels`): the matmul and RMSNorm against torch and transformers,
+"""Our compiled CPU kernels (`cpu_kernels`): the matmuls and RMSNorm against torch and transformers,
 the K/V write, routing from `linear`, the on-disk cache, and that their threads are torch's. (The
 decode attention kernel is tested through its backend, test_attention_cpu.py.)"""
 
@@ -37,6 +37,31 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+# Token panels of 1-3 vectors (16 lanes with AVX-512, 8 otherwise) and partial ones; tiles of
+# weight rows with a partial last one (33 outputs); k with and without a vector tail.
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 40, 48, 49, 64, 100])
+@pytest.mark.parametrize("in_features", [1, 37, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_f_linear(rows, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(33, in_features, generator=generator)
+    bias = torch.randn(33, generator=generator) if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = cpu_kernels.gemm(x, weight, bias)
+    assert out.shape == (rows, 33) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_rows_do_not_depend_on_the_batch():
+    # One multiply-add chain per output: a row's bits are the same alone or among 63 others.
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(64, 96, generator=generator), torch.randn(40, 96, generator=generator)
+    batched = cpu_kernels.gemm(x, weight)
+    for row in (0, 17, 63):
+        assert torch.equal(cpu_kernels.gemm(x[row : row + 1], weight)[0], batched[row])
+
+
 def test_gemv_keeps_leading_dimensions():
     x = torch.randn(2, 1, 16)
     weight = torch.randn(8, 16)
@@ -51,16 +76,25 @@ def test_bfloat16_nan_stays_nan():
     assert torch.isnan(out).all()
 
 
-def test_linear_sends_decode_sized_inputs_to_the_kernel_and_larger_ones_elsewhere():
+def test_linear_sends_decode_sized_inputs_to_the_kernels_and_larger_ones_elsewhere():
     weight = torch.randn(24, 40)
-    most = cpu_kernels.max_gemv_tokens(torch.float32)
-    small, large = torch.randn(most, 40), torch.randn(most + 1, 40)
-    with torch.inference_mode():
-        assert torch.equal(linear(small, weight), cpu_kernels.gemv(small, weight))
-        # The kernel would give the same rows for the larger input; oneDNN sums in another order.
-        torch.testing.assert_close(linear(large, weight), F.linear(large, weight))
-    # Neither kernel has a backward: inputs that autograd records take torch's path.
-    for rows in (1, most + 1):
+    for dtype in (torch.float32, torch.bfloat16):
+        most_gemv = cpu_kernels.max_gemv_tokens(dtype)
+        most = max(most_gemv, cpu_kernels.max_gemm_tokens(dtype))
+        w = weight.to(dtype)
+        with torch.inference_mode():
+            for rows in (1, most_gemv):
+                x = torch.randn(rows, 40).to(dtype)
+                assert torch.equal(linear(x, w), cpu_kernels.gemv(x, w))
+            for rows in range(most_gemv + 1, most + 1, 7):
+                x = torch.randn(rows, 40).to(dtype)
+                assert torch.equal(linear(x, w), cpu_kernels.gemm(x, w))
+            # Past the kernels: oneDNN, which sums in another order.
+            x = torch.randn(most + 1, 40).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=tol, rtol=tol)
+    # The kernels have no backward: inputs that autograd records take torch's path.
+    for rows in (1, cpu_kernels.max_gemm_tokens(torch.float32)):
         grad_input = torch.randn(rows, 40, requires_grad=True)
         linear(grad_input, weight).sum().backward()
         torch.testing.assert_close(grad_input.grad, weight.sum(0).expand(rows, 40))

@@ -30,6 +30,7 @@ SOURCES = tuple(
     os.path.join(_HERE, name)
     for name in (
         "cpu_gemv.c",
+        "cpu_gemm.c",
         "cpu_decode_attention.c",
         "cpu_rms_norm.c",
         "cpu_elementwise.c",
@@ -53,6 +54,8 @@ _TYPED = {
     "decoder_stack": ([_P, _N] + [_P] * 5, ctypes.c_int),
 }
 _UNTYPED = {"write_kv": ([_P] * 5 + [_N] * 4, None)}
+# Kernels that exist for float32 only (v1e_<name>_f32).
+_FLOAT32 = {"gemm": ([_P] * 4 + [_N] * 3, ctypes.c_int)}
 
 
 @functools.cache
@@ -68,6 +71,8 @@ def load_kernels() -> dict[tuple[str, torch.dtype | None], ctypes._CFuncPtr] | N
     for name, signature in _TYPED.items():
         for dtype, suffix in KERNEL_DTYPES.items():
             symbols[name, dtype] = (f"v1e_{name}_{suffix}", signature)
+    for name, signature in _FLOAT32.items():
+        symbols[name, torch.float32] = (f"v1e_{name}_f32", signature)
     kernels = {}
     for key, (symbol, (argtypes, restype)) in symbols.items():
         function = getattr(library, symbol)

@@ -1,8 +1,8 @@
 """Each CPU kernel against the torch code it replaces (the layers' own torch paths; a dense
 reference for attention) on small inputs, once per process, before any is used: a library that
 builds but computes wrongly here (a compiler or CPU quirk) must not serve a model. The inputs
-cover each kernel's branches (a single matmul row and the four-row tiles, a sliding window,
-shuffled blocks, grouped query heads, both dtypes)."""
+cover each kernel's branches (a single matmul row and the four-row tiles, whole and partial token
+panels, a sliding window, shuffled blocks, grouped query heads, both dtypes)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def _cases(generator: torch.Generator, dtype: torch.dtype):
     for tokens in (1, 5):  # one row; a four-row tile and a row after it
         x, weight, bias = randn(tokens, 37), randn(5, 37), randn(5)
         yield "gemv", cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias)
+    if cpu_kernels.max_gemm_tokens(dtype):
+        # A full token panel and a partial one; a partial tile of weight rows.
+        x, weight, bias = randn(50, 37), randn(11, 37), randn(11)
+        yield "gemm", cpu_kernels.gemm(x, weight, bias), F.linear(x, weight, bias)
     x, residual, weight = randn(2, 37), randn(2, 37), randn(37)
     out, total = cpu_kernels.rms_norm(x, residual, weight, 1e-5)
     yield "rms_norm", out, layernorm.rms_norm(x + residual, weight, 1e-5)

@@ -75,6 +75,8 @@ static inline float v1e_expf(float x)
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)
 
+int v1e_gemm_f32(const float *x, const float *w, const float *b, float *y, long M, long N, long K);
+
 void v1e_write_kv(const char *key, const char *value, char *k_cache, char *v_cache,
                   const int64_t *slots, long num_tokens, long key_stride, long value_stride,
                   long row_bytes);

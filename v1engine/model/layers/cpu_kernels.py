@@ -1,8 +1,9 @@
 """Our compiled CPU kernels for decode steps, as torch ops: the matmul of a few tokens
-(`cpu_gemv.c`), paged decode attention and its K/V write (`cpu_decode_attention.c`), RMSNorm with
-its residual add (`cpu_rms_norm.c`), rotary embedding and SiLU-and-mul (`cpu_elementwise.c`). At
-decode sizes torch and oneDNN run each of these several times slower: the matmuls read the weights
-at half the memory bandwidth or less, the small ops are several dispatches each
+(`cpu_gemv.c`) and of a few dozen (`cpu_gemm.c`), paged decode attention and its K/V write
+(`cpu_decode_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
+SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
+times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
+dozen tokens, reach half their prefill GFLOP/s), the small ops are several dispatches each
 (`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
 
 The library is built on first use (`cpu_kernel_library.py`) and checked against torch once per
@@ -27,9 +28,20 @@ logger = init_logger(__name__)
 _MAX_GEMV_TOKENS = {torch.float32: 8, torch.bfloat16: 4}
 
 
+# Up to this many rows (float32 only) our tiled matmul beats oneDNN and MKL (scripts/bench_gemm.py,
+# the SmolLM2 step's matmuls, weights from memory, 2-core Xeon with AVX-512: 48 vs 71 ms at 16
+# rows, 58 vs 90 at 32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96).
+_MAX_GEMM_TOKENS = {torch.float32: 64}
+
+
 def max_gemv_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemv` takes for `dtype` inputs (0 for dtypes it has no kernel for)."""
     return _MAX_GEMV_TOKENS.get(dtype, 0)
+
+
+def max_gemm_tokens(dtype: torch.dtype) -> int:
+    """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
+    return _MAX_GEMM_TOKENS.get(dtype, 0)
 
 
 @functools.cache
@@ -74,10 +86,23 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, meant for x [..., K] of a few rows (`max_gemv_tokens`): the
     kernel keeps one sum per row on the stack. weight and bias contiguous."""
+    return _linear("gemv", x, weight, bias)
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for a few
+    dozen: `max_gemm_tokens`); weight and bias contiguous. Each output row depends only on its
+    own input row."""
+    return _linear("gemm", x, weight, bias)
+
+
+def _linear(
+    name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    kernel("gemv", x.dtype)(
+    failed = kernel(name, x.dtype)(
         rows.data_ptr(),
         weight.data_ptr(),
         _pointer(bias),
@@ -86,6 +111,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         out_features,
         in_features,
     )
+    if failed:  # only gemm allocates (its packed copy of x); gemv returns nothing
+        raise MemoryError(f"the {name} kernel could not allocate its packed copy of the input")
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -175,12 +175,14 @@ class RowParallelLinear(LinearBase):
 # y = x W^T + b. On CPU, torch's `F.linear` goes to MKL's sgemm, which on the AMD EPYC (AVX-512) we
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
-# or less, and our own kernel (`cpu_gemv.c`) comes near it (`scripts/bench_gemm.py` measures all
-# three). So on CPU, float32 and bfloat16 inputs of at most `cpu_kernels.max_gemv_tokens` rows go
-# to that kernel, larger ones through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's
-# own CPU compiler emits for linear layers), both on plain weights, so tensor-parallel shards and
-# tied embeddings need no repacking. Anywhere else, where neither is available, or where autograd
-# must see the op (neither kernel has a backward), `F.linear`.
+# or less, and at a few dozen reach half the GFLOP/s they get on a prefill. Our own kernels do
+# better there (`scripts/bench_gemm.py` measures all of them): `cpu_gemv.c` streams the weights
+# near the bandwidth for up to `cpu_kernels.max_gemv_tokens` rows (float32 and bfloat16), and
+# `cpu_gemm.c` tiles up to `max_gemm_tokens` rows (float32). Larger inputs go through oneDNN's
+# linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for linear layers).
+# All of them read plain weights, so tensor-parallel shards and tied embeddings need no
+# repacking. Anywhere else, where none is available, or where autograd must see the op (our
+# kernels have no backward), `F.linear`.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,18 +190,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not cpu_kernels.cpu_inputs(x, weight, bias):  # oneDNN's linear reads the same inputs
         return F.linear(x, weight, bias)
     x = x.contiguous()
-    if _gemv_applies(x, weight, bias):
-        return cpu_kernels.gemv(x, weight, bias)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if 0 < rows <= _max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
+        if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
+            return cpu_kernels.gemv(x, weight, bias)
+        return cpu_kernels.gemm(x, weight, bias)
     if _onednn_linear_works():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Beyond `cpu_inputs` (checked by the caller): decode-sized, contiguous, kernels built."""
+def _max_kernel_tokens(dtype: torch.dtype) -> int:
+    return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype))
+
+
+def _kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Beyond `cpu_inputs` (checked by the caller): contiguous weights, kernels built."""
     return (
-        0 < x.numel() <= cpu_kernels.max_gemv_tokens(x.dtype) * x.shape[-1]
-        and weight.is_contiguous()
+        weight.is_contiguous()
         and (bias is None or bias.is_contiguous())
         and cpu_kernels.available()
     )
