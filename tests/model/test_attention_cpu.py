@@ -41,12 +41,16 @@ def _attend(backend, steps, num_heads, num_kv_heads, head_size, block_size, wind
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
+# The kernel's vector path takes head sizes of whole vectors (16 floats with AVX-512, 8 without):
+# 8 is plain or one vector, 48 three or six, 64 SmolLM2's; 12 is plain everywhere.
+@pytest.mark.parametrize("head_size", [8, 12, 48, 64])
 def test_decode_steps_match_the_torch_backend(
-    dtype, tol, num_heads, num_kv_heads, window, block_size
+    dtype, tol, num_heads, num_kv_heads, window, block_size, head_size
 ):
-    # Decodes of many lengths: one key, within one block, across blocks, past the window.
-    steps = [(r, n, 1) for r, n in enumerate([0, 3, 4, 17, 40, 2, 9])]
-    args = (steps, num_heads, num_kv_heads, 8, block_size, window, dtype)
+    # Decodes of many lengths: one key, within one block, across blocks, past the window, and
+    # more keys than the kernel takes at once (16), with and without a partial group at the end.
+    steps = [(r, n, 1) for r, n in enumerate([0, 3, 4, 17, 40, 2, 9, 31, 47])]
+    args = (steps, num_heads, num_kv_heads, head_size, block_size, window, dtype)
     metadata, out, kv_cache = _attend(CpuAttentionBackend(), *args)
     assert isinstance(metadata, CpuDecodeMetadata)
     _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args)
