@@ -15,6 +15,7 @@ from v1engine.model.layers.attention_backend import (
 )
 from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend
 from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.rotary_embedding import RotaryEmbedding
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
 
 
@@ -113,3 +114,14 @@ def test_attention_reads_its_own_groups_metadata():
         expected = layers[1](q, k, v)  # group 0 of a step whose only group is the same
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(layers[0].kv_cache[0], layers[1].kv_cache[0])
+
+
+def test_rotary_tables_are_float64_cos_and_sin_rounded_to_float32():
+    # Not torch's float32 cos/sin, which once came out 1.5e-4 off in one thread's half of the
+    # table in some processes: the tables must not depend on how a process splits the work.
+    rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 100000.0})
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    angles = torch.arange(4096, dtype=torch.float)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1).double()
+    assert torch.equal(rope.cos_cache, angles.cos().float())
+    assert torch.equal(rope.sin_cache, angles.sin().float())

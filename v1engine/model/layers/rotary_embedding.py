@@ -1,15 +1,18 @@
 """Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3/linear scaling.
 
-cos/sin are precomputed for every position up to `max_position` in float32, with the same
-arithmetic HF uses per step, so results match transformers bit for bit in float32. On CPU the
-rotation runs as one compiled kernel (`cpu_elementwise.c`) where it is available.
+cos/sin are precomputed for every position up to `max_position`: the angles in float32 with the
+arithmetic HF uses per step, their cos/sin in float64 rounded to float32 (see `_float32_of`), so
+they agree with transformers' to an ulp. On CPU the rotation runs as one compiled kernel
+(`cpu_elementwise.c`) where it is available.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -77,10 +80,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / params["factor"]
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_size // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1).numpy()
         # Not persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", _float32_of(np.cos, emb), persistent=False)
+        self.register_buffer("sin_cache", _float32_of(np.sin, emb), persistent=False)
 
     @classmethod
     def from_config(cls, hf_config: Any, head_size: int) -> RotaryEmbedding:
@@ -105,3 +108,11 @@ class RotaryEmbedding(nn.Module):
 
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def _float32_of(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> torch.Tensor:
+    """function(x) for float32 x, computed in float64 by numpy and rounded to float32: torch's
+    float32 cos/sin (MKL's vector math) came out up to 1.5e-4 off in one of its threads' halves of
+    the table, in about one worker process in eight, so greedy tokens could change between two
+    runs of the same engine. Rounded float64 values are the float32 values to within an ulp."""
+    return torch.from_numpy(function(x.astype(np.float64)).astype(np.float32))
