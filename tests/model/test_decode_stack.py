@@ -13,6 +13,7 @@ from tests.model.paged_runner import generate_paged
 from tests.model.test_model_parity import make_prompts
 from v1engine.model.hf_config import load_hf_config
 from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers.linear import max_kernel_tokens
 from v1engine.model.loader import load_model
 from v1engine.model.models.llama_decode_stack import LlamaDecodeStack
 
@@ -77,25 +78,36 @@ def test_stack_matches_the_layers_bit_for_bit(tmp_path, stack_calls, arch, overr
     assert again == outputs and all(map(torch.equal, again_logits, logits))
 
 
+def _decode_sizes(dtype: torch.dtype) -> list[int]:
+    """The largest step the gemv takes, the first the gemm takes (float32), the largest."""
+    most_gemv, most = cpu_kernels.max_gemv_tokens(dtype), max_kernel_tokens(dtype)
+    return sorted({most_gemv, min(most_gemv + 1, most), most})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_steps_of_as_many_decodes_as_the_gemv_takes(tmp_path, stack_calls, dtype):
+def test_steps_of_as_many_decodes_as_the_matmul_kernels_take(tmp_path, stack_calls, dtype):
     path = make_checkpoint(tmp_path, "qwen2")
     model = load_model(path, load_hf_config(path), dtype, "cpu")
-    most = cpu_kernels.max_gemv_tokens(dtype)
-    prompts = make_prompts(model.config.vocab_size, [3] * most)
-    outputs, logits = generate_paged(model, prompts, 4, token_budget=64)
-    assert most in stack_calls
-    stack_calls.enabled = False
-    expected_outputs, expected_logits = generate_paged(model, prompts, 4, token_budget=64)
-    assert outputs == expected_outputs
-    assert all(map(torch.equal, logits, expected_logits))
+    for n in _decode_sizes(dtype):
+        prompts = make_prompts(model.config.vocab_size, [3] * n)
+        stack_calls.enabled = True
+        outputs, logits = generate_paged(model, prompts, 4, token_budget=256, num_blocks=512)
+        assert n in stack_calls
+        stack_calls.enabled = False
+        expected_outputs, expected_logits = generate_paged(
+            model, prompts, 4, token_budget=256, num_blocks=512
+        )
+        assert outputs == expected_outputs
+        assert all(map(torch.equal, logits, expected_logits)), n
 
 
-def test_steps_of_more_decodes_than_the_kernel_takes_run_the_layers(tmp_path, stack_calls):
+def test_steps_of_more_decodes_than_the_kernels_take_run_the_layers(tmp_path, stack_calls):
     path = make_checkpoint(tmp_path, "llama")
     model = load_model(path, load_hf_config(path), torch.float32, "cpu")
-    n = cpu_kernels.max_gemv_tokens(torch.float32) + 1
-    generate_paged(model, make_prompts(model.config.vocab_size, [3] * n), 4, token_budget=64)
+    n = max_kernel_tokens(torch.float32) + 1
+    generate_paged(
+        model, make_prompts(model.config.vocab_size, [3] * n), 4, token_budget=256, num_blocks=512
+    )
     # All n requests prefill in the first step and decode together after: never through the stack.
     assert stack_calls == []
 

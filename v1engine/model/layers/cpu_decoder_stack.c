@@ -1,5 +1,5 @@
-/* Every decoder layer of a Llama-shaped model, and the final norm, for the few tokens of a CPU
-   decode step, in one call.
+/* Every decoder layer of a Llama-shaped model, and the final norm, for the tokens of a CPU
+   decode step (up to the rows linear.py sends to our matmul kernels), in one call.
 
    At batch 1 a layer is about ten small ops (two norms, three matmuls, rotary, the K/V write,
    attention, SiLU-and-mul). Called one by one from Python each costs 10-30 us of dispatch (module
@@ -32,6 +32,7 @@ struct v1e_decoder_layer {
 struct v1e_decoder_shape {
     long hidden, num_heads, num_kv_heads, head_size, intermediate;
     float eps, scale;
+    long gemv_max_tokens; /* cpu_kernels.max_gemv_tokens: up to it gemv, past it gemm */
 };
 
 /* The step: `tokens` decodes, one per sequence, and per KV cache group g their slots, block
@@ -54,6 +55,27 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
 {
     const long q = sh->num_heads * sh->head_size, kv = sh->num_kv_heads * sh->head_size;
     return (struct widths){q, kv, q + 2 * kv};
+}
+
+/* y = x W^T (+ b) by the kernel linear.py picks for M rows, so that the stack's bits are the
+   layers'. Returns nonzero if gemm could not allocate. The Python side sends bfloat16 steps here
+   only up to gemv_max_tokens (there is no bfloat16 gemm). */
+static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const void *w,
+                      const void *b, float *y, long M, long N, long K)
+{
+    if (M <= sh->gemv_max_tokens) {
+        v1e_gemv_f32(x, w, b, y, M, N, K);
+        return 0;
+    }
+    return v1e_gemm_f32(x, w, b, y, M, N, K);
+}
+
+static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, const void *w,
+                       const void *b, uint16_t *y, long M, long N, long K)
+{
+    (void)sh;
+    v1e_gemv_bf16(x, w, b, y, M, N, K);
+    return 0;
 }
 
 #define DECODER_STACK(S, T, LOAD, STORE)                                                       \
@@ -95,7 +117,8 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
                                    const struct v1e_decode_step *st, struct buffers_##S *b)    \
     {                                                                                          \
         const long M = st->tokens, g = L->kv_cache_group;                                      \
-        v1e_gemv_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden);         \
+        if (matmul_##S(sh, b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden))    \
+            return 1;                                                                          \
         rotated_qk_##S(L, sh, w, st, b);                                                       \
         v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
                      L->v_cache, st->slots[g], M, w->kv * sizeof(T), w->qkv * sizeof(T),       \
@@ -105,21 +128,22 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
                                      sh->num_kv_heads, sh->head_size, L->block_size,           \
                                      st->table_strides[g], L->window, sh->scale))              \
             return 1;                                                                          \
-        v1e_gemv_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q);                   \
+        if (matmul_##S(sh, b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q)) return 1;  \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
         return 0;                                                                              \
     }                                                                                          \
                                                                                                \
-    static void mlp_block_##S(const struct v1e_decoder_layer *L,                               \
-                              const struct v1e_decoder_shape *sh, long M,                      \
-                              struct buffers_##S *b)                                           \
+    static int mlp_block_##S(const struct v1e_decoder_layer *L,                                \
+                             const struct v1e_decoder_shape *sh, long M, struct buffers_##S *b) \
     {                                                                                          \
         const long I = sh->intermediate;                                                       \
-        v1e_gemv_##S(b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I,          \
-                     sh->hidden);                                                              \
+        if (matmul_##S(sh, b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I,     \
+                       sh->hidden))                                                            \
+            return 1;                                                                          \
         v1e_silu_and_mul_##S(b->gate_up, b->act, M, I);                                        \
-        v1e_gemv_##S(b->act, L->down_weight, NULL, b->x, M, sh->hidden, I);                    \
+        if (matmul_##S(sh, b->act, L->down_weight, NULL, b->x, M, sh->hidden, I)) return 1;    \
         if (L->down_bias) add_bias_##S(b->x, L->down_bias, M, sh->hidden);                     \
+        return 0;                                                                              \
     }                                                                                          \
                                                                                                \
     /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
@@ -158,7 +182,7 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
                                  sh->eps);                                                     \
             if ((failed = attention_block_##S(L, sh, &w, st, &b))) break;                      \
             v1e_rms_norm_##S(b.x, b.residual, L->post_norm, b.residual, b.h, M, H, sh->eps);   \
-            mlp_block_##S(L, sh, M, &b);                                                       \
+            if ((failed = mlp_block_##S(L, sh, M, &b))) break;                                 \
         }                                                                                      \
         if (!failed)                                                                           \
             v1e_rms_norm_##S(b.x, b.residual, final_norm, b.residual, out, M, H, sh->eps);     \

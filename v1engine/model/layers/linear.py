@@ -193,7 +193,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= _max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
+    if 0 < rows <= max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
         if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
             return cpu_kernels.gemv(x, weight, bias)
         return cpu_kernels.gemm(x, weight, bias)
@@ -202,7 +202,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _max_kernel_tokens(dtype: torch.dtype) -> int:
+def max_kernel_tokens(dtype: torch.dtype) -> int:
+    """The most rows our CPU matmul kernels take for `dtype` (gemv, then gemm past it)."""
     return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype))
 
 

@@ -1,12 +1,13 @@
 """A CPU decode step's decoder layers in one native call (`layers/cpu_decoder_stack.c`).
 
 At batch 1 a layer is about ten small ops, and from Python each costs more in dispatch than in
-arithmetic: a quarter of a SmolLM2 step (`scripts/profile_steps.py`). `LlamaModel.forward` hands
-such steps to this class, which runs the same kernels in the same order in C, so the hidden states
-are bit-identical to the layer-by-layer forward (`tests/model/test_decode_stack.py`). It applies
-to steps of at most `cpu_kernels.max_gemv_tokens` decodes that the CPU attention backend planned
-(`CpuDecodeMetadata` for every KV cache group), at tensor-parallel size 1, with KV caches of the
-model's dtype; every other step runs the layers.
+arithmetic: a quarter of a SmolLM2 step (`scripts/profile_steps.py`); at a few dozen decodes the
+dispatch is still several percent of a step. `LlamaModel.forward` hands such steps to this class,
+which runs the same kernels in the same order in C (the matmul kernel `linear` picks for the row
+count included), so the hidden states are bit-identical to the layer-by-layer forward
+(`tests/model/test_decode_stack.py`). It applies to steps of at most `linear.max_kernel_tokens`
+decodes that the CPU attention backend planned (`CpuDecodeMetadata` for every KV cache group), at
+tensor-parallel size 1, with KV caches of the model's dtype; every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention import get_forward_context
 from v1engine.model.layers.cpu_attention_backend import CpuDecodeMetadata
 from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.linear import max_kernel_tokens
 from v1engine.model.layers.rotary_embedding import CosSin
 from v1engine.model.parallel_state import get_tp_world_size
 
@@ -48,6 +50,7 @@ class _Shape(ctypes.Structure):
         ("intermediate", _N),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("gemv_max_tokens", _N),
     ]
 
 
@@ -77,6 +80,7 @@ class LlamaDecodeStack:
             model.layers[0].mlp.down_proj.weight.shape[1],
             model.norm.eps,
             attention.attn.scale,
+            cpu_kernels.max_gemv_tokens(model.norm.weight.dtype),
         )
         # The layer table holds raw pointers to weights and caches, so it keeps the caches it
         # was built from, and is rebuilt when a layer's cache is rebound.
@@ -88,7 +92,7 @@ class LlamaDecodeStack:
         metadata = get_forward_context().attn_metadata
         return (
             metadata is not None
-            and hidden.shape[0] <= cpu_kernels.max_gemv_tokens(hidden.dtype)
+            and hidden.shape[0] <= max_kernel_tokens(hidden.dtype)
             and all(isinstance(m, CpuDecodeMetadata) for m in metadata)
             and cpu_kernels.applies(hidden, self._model.norm.weight)  # one dtype, on CPU
             and self._layer_table() is not None
