@@ -81,6 +81,8 @@ class EngineTimer:
             result = original(*args, **kwargs)
             if after is not None:
                 after(result)
+            if label == "step total":  # the kind of the step it scheduled, known only now
+                kind = self.kind
             if isinstance(result, Future):  # the core launches steps non-blocking: until the reply
                 result.add_done_callback(lambda _: self._add(kind, label, start))
             else:
