@@ -1,7 +1,9 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
-`F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`, what `linear` uses above
-`cpu_kernels.max_gemv_tokens` rows) and our decode kernel (`cpu_gemv.c`, what `linear` uses up to
-it), at decode-sized and prefill-sized token counts.
+`F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`), our gemv (`cpu_gemv.c`)
+and our tiled gemm (`cpu_gemm.c`, float32), at decode-sized and prefill-sized token counts.
+`linear` uses the gemv up to `cpu_kernels.max_gemv_tokens` rows, the gemm up to
+`max_gemm_tokens`, then MKL (float32 on Intel CPUs) or oneDNN. After each token count, one line
+sums a whole SmolLM2 step: 30 layers of the four projections plus the LM head.
 
     python scripts/bench_gemm.py --repeats 5 --json gemm.json
 
@@ -10,7 +12,8 @@ last-level cache), so each kernel cycles through copies of the weight that toget
 `--weights-mb` (default 256 MB, several times any L3). Each (shape, tokens) is timed for every
 kernel in alternating order, `--repeats` times `--calls` calls; the table gives the median time
 per call, the weight bytes read per second (what bounds decode) and GFLOP/s (what bounds prefill).
-`cpu_gemv` runs only up to `--gemv-max-tokens` rows (default 16: it is built for a few).
+`cpu_gemv` runs only up to `--gemv-max-tokens` rows (default 16: it is built for a few),
+`cpu_gemm` up to `--gemm-max-tokens` (default 128).
 """
 
 from __future__ import annotations
@@ -41,7 +44,21 @@ def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-KERNELS = {"F.linear": F.linear, "oneDNN": onednn, "cpu_gemv": cpu_kernels.gemv}
+KERNELS = {
+    "F.linear": F.linear,
+    "oneDNN": onednn,
+    "cpu_gemv": cpu_kernels.gemv,
+    "cpu_gemm": cpu_kernels.gemm,
+}
+NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
+
+
+def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
+    """The kernels this row count and dtype are measured with."""
+    limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": args.gemm_max_tokens}
+    if args.dtype != "float32":
+        limits["cpu_gemm"] = 0  # float32 only
+    return [k for k in KERNELS if tokens <= limits.get(k, tokens)]
 
 
 def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> float:
@@ -58,7 +75,7 @@ def measure_shape(args, name: str, in_features: int, out_features: int, tokens: 
     copies = max(1, args.weights_mb * 2**20 // weight_bytes)
     weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
     x = torch.randn(tokens, in_features).to(dtype)
-    kernels = [k for k in KERNELS if k != "cpu_gemv" or tokens <= args.gemv_max_tokens]
+    kernels = kernels_for(args, tokens)
     times: dict[str, list[float]] = {k: [] for k in kernels}
     with torch.inference_mode():
         for repeat in range(args.repeats):
@@ -75,6 +92,19 @@ def measure_shape(args, name: str, in_features: int, out_features: int, tokens: 
     return row
 
 
+def step_sum(rows: list[dict]) -> dict:
+    """One decode or prefill step's matmuls: NUM_LAYERS x each layer shape + the LM head, per
+    kernel measured on every shape."""
+    kernels = [k for k in KERNELS if all(k in row for row in rows)]
+    step: dict = {"shape": "smollm2_step", "tokens": rows[0]["tokens"]}
+    for kernel in kernels:
+        us = sum(
+            r[kernel]["median_us"] * (1 if r["shape"] == "lm_head" else NUM_LAYERS) for r in rows
+        )
+        step[kernel] = {"median_ms": round(us / 1e3, 2)}
+    return step
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 64, 2048])
@@ -83,6 +113,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--weights-mb", type=int, default=256)
     p.add_argument("--gemv-max-tokens", type=int, default=16)
+    p.add_argument("--gemm-max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
@@ -101,6 +132,10 @@ def main() -> None:
                 if k in KERNELS
             ]
             print(f"{name:>13} tokens={tokens:5d}: " + " | ".join(cells), flush=True)
+        step = step_sum(rows[-len(SHAPES) :])
+        rows.append(step)
+        cells = [f"{k} {v['median_ms']:8.1f} ms" for k, v in step.items() if k in KERNELS]
+        print(f"{'SmolLM2 step':>13} tokens={tokens:5d}: " + " | ".join(cells), flush=True)
     if args.json:
         machine = {
             "cores": os.cpu_count(),

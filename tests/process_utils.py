@@ -73,3 +73,19 @@ def start_json_script(module: str, mode: str) -> tuple[subprocess.Popen, dict]:
         proc.wait()
         pytest.fail(f"{module} {mode} exited before reporting what it started")
     return proc, json.loads(line)
+
+
+def run_script(script: str, *args: str, cwd: str = ROOT) -> subprocess.CompletedProcess:
+    """Runs `python script args...` as a user would, with the repository importable (the script
+    may live in a temporary directory), and fails the test unless it exits 0."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done

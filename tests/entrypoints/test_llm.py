@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +17,7 @@ from tests.entrypoints.llm_utils import (
     token_ids,
 )
 from tests.model.checkpoints import load_hf_model, make_checkpoint
-from tests.timeouts import scaled
+from tests.process_utils import run_script
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
 
@@ -207,15 +204,5 @@ def test_generate_interrupted_by_ctrl_c_leaves_the_engine_usable(checkpoint, tmp
     # interrupted call's requests must be gone and its step (in flight at the worker) not lost.
     script = tmp_path / "interrupted.py"
     script.write_text(_INTERRUPTED_GENERATE)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, str(script), checkpoint],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_script(str(script), checkpoint)
     assert json.loads(done.stdout.splitlines()[-1]) == [True, True, True, 0]

@@ -196,49 +196,33 @@ static void softmax(float *scores, long num_heads, long n)
                     out[(h * VECS + c) * LANES + l] = STORE(acc[h][c][l]);                     \
     }
 
-/* The plain path, any head size: one dot product per key and head, then the weighted values. */
-#define PLAIN_PASSES(NAME, T, LOAD, STORE)                                                     \
-    static void NAME##_scores(const T *q, const char *k_cache, const int32_t *table,           \
-                              long first, long n, const struct attention_shape *sh,            \
-                              float *scores)                                                   \
+/* The plain path, any head size, in one walk over the visible keys per pass: with `acc` NULL it
+   fills scores[h * n + i] (query head h, key i), else it adds probabilities[h * n + i] times
+   key i's value to acc[h] (acc: [H, D] floats). */
+#define PLAIN_PASS(NAME, T, LOAD)                                                              \
+    static void NAME##_plain_pass(const T *q, const char *cache, const int32_t *table,         \
+                                  long first, long n, const struct attention_shape *sh,        \
+                                  float *scores, float *acc)                                   \
     {                                                                                          \
         const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads;             \
         const long row_bytes = sh->num_kv_heads * D * sizeof(T);                               \
         const char *rows[LANES];                                                               \
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
-            group_rows(rows, k_cache, table, first + i0, count, sh->block_size, row_bytes);    \
+            group_rows(rows, cache, table, first + i0, count, sh->block_size, row_bytes);      \
             for (long j = 0; j < count; j++)                                                   \
                 for (long h = 0; h < H; h++) {                                                 \
-                    const T *key = (const T *)rows[j] + (h / G) * D;                           \
+                    const T *head = (const T *)rows[j] + (h / G) * D;                          \
+                    float *score = scores + h * n + i0 + j;                                    \
+                    if (acc) {                                                                 \
+                        for (long d = 0; d < D; d++) acc[h * D + d] += *score * LOAD(head[d]); \
+                        continue;                                                              \
+                    }                                                                          \
                     float dot = 0.f;                                                           \
-                    for (long d = 0; d < D; d++) dot += LOAD(q[h * D + d]) * LOAD(key[d]);     \
-                    scores[h * n + i0 + j] = dot * sh->scale;                                  \
+                    for (long d = 0; d < D; d++) dot += LOAD(q[h * D + d]) * LOAD(head[d]);    \
+                    *score = dot * sh->scale;                                                  \
                 }                                                                              \
         }                                                                                      \
-    }                                                                                          \
-                                                                                               \
-    static void NAME##_values(const char *v_cache, const int32_t *table, long first, long n,   \
-                              const struct attention_shape *sh, const float *probabilities,    \
-                              T *out)                                                          \
-    {                                                                                          \
-        const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads;             \
-        const long row_bytes = sh->num_kv_heads * D * sizeof(T);                               \
-        float acc[H][D];                                                                       \
-        memset(acc, 0, sizeof acc);                                                            \
-        const char *rows[LANES];                                                               \
-        for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
-            long count = n - i0 < LANES ? n - i0 : LANES;                                      \
-            group_rows(rows, v_cache, table, first + i0, count, sh->block_size, row_bytes);    \
-            for (long j = 0; j < count; j++)                                                   \
-                for (long h = 0; h < H; h++) {                                                 \
-                    const T *value = (const T *)rows[j] + (h / G) * D;                         \
-                    float p = probabilities[h * n + i0 + j];                                   \
-                    for (long d = 0; d < D; d++) acc[h][d] += p * LOAD(value[d]);              \
-                }                                                                              \
-        }                                                                                      \
-        for (long h = 0; h < H; h++)                                                           \
-            for (long d = 0; d < D; d++) out[h * D + d] = STORE(acc[h][d]);                    \
     }
 
 /* One sequence: scores, softmax, values, by the vector path when the head size allows. */
@@ -258,7 +242,7 @@ static void softmax(float *scores, long num_heads, long n)
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 6)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 7)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 8)                                              \
-    PLAIN_PASSES(NAME, T, LOAD, STORE)                                                         \
+    PLAIN_PASS(NAME, T, LOAD)                                                                  \
                                                                                                \
     static void NAME##_sequence(const T *q, const char *k_cache, const char *v_cache,          \
                                 const int32_t *table, long seq_len, T *out,                    \
@@ -276,9 +260,12 @@ static void softmax(float *scores, long num_heads, long n)
             VECTOR_CASE(NAME, 7)                                                               \
             VECTOR_CASE(NAME, 8)                                                               \
         }                                                                                      \
-        NAME##_scores(q, k_cache, table, first, n, sh, scores);                                \
+        float acc[sh->num_heads * sh->head_size];                                              \
+        memset(acc, 0, sizeof acc);                                                            \
+        NAME##_plain_pass(q, k_cache, table, first, n, sh, scores, NULL);                      \
         softmax(scores, sh->num_heads, n);                                                     \
-        NAME##_values(v_cache, table, first, n, sh, scores, out);                              \
+        NAME##_plain_pass(q, v_cache, table, first, n, sh, scores, acc);                       \
+        for (long i = 0; i < sh->num_heads * sh->head_size; i++) out[i] = STORE(acc[i]);       \
     }                                                                                          \
                                                                                                \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,      \
