@@ -1,6 +1,6 @@
-"""The CPU attention backend (our C decode kernel) against the torch backend, through the
-backend protocol: metadata, K/V write, attention; decode-only steps and mixed ones (prefills by the
-torch plan, decode rows by the kernel)."""
+"""The CPU attention backend (our C paged-attention kernel) against the torch backend, through
+the backend protocol: metadata, K/V write, attention; decode-only steps, prefills (fresh, over a
+cached prefix, longer than a block of rows, past a window) and mixes of both, with padding."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.cpu_attention_backend import (
+    LONG_PREFILL_ATTENTIONS,
     CpuAttentionBackend,
-    CpuDecodeMetadata,
-    CpuMixedMetadata,
+    CpuAttentionMetadata,
 )
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -52,7 +52,7 @@ def test_decode_steps_match_the_torch_backend(
     steps = [(r, n, 1) for r, n in enumerate([0, 3, 4, 17, 40, 2, 9, 31, 47])]
     args = (steps, num_heads, num_kv_heads, head_size, block_size, window, dtype)
     metadata, out, kv_cache = _attend(CpuAttentionBackend(), *args)
-    assert isinstance(metadata, CpuDecodeMetadata)
+    assert isinstance(metadata, CpuAttentionMetadata) and metadata.decodes_only
     _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
@@ -60,31 +60,57 @@ def test_decode_steps_match_the_torch_backend(
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("head_size", [8, 64])
 @pytest.mark.parametrize(
     "steps,pad",
     [
+        ([(0, 0, 6), (1, 2, 3)], 0),
         ([(0, 0, 6), (1, 3, 1)], 0),
         ([(0, 9, 1), (1, 4, 5), (2, 17, 1), (3, 0, 3), (4, 1, 1)], 0),
         ([(0, 3, 1), (1, 5, 1)], 2),
+        ([(0, 0, 37), (1, 20, 19), (2, 5, 1)], 3),
     ],
-    ids=["a-prefill-and-a-decode", "decodes-between-prefills", "decodes-and-padding"],
+    ids=[
+        "prefills",
+        "a-prefill-and-a-decode",
+        "decodes-between-prefills",
+        "decodes-and-padding",
+        "prompts-past-a-block-of-rows-and-padding",
+    ],
 )
-def test_mixed_steps_attend_their_decodes_with_the_kernel(steps, pad, window, dtype, tol):
-    args = (steps, 9, 3, 8, 4, window, dtype)
+def test_steps_with_prefills_and_padding_match_the_torch_backend(
+    steps, pad, window, head_size, dtype, tol
+):
+    # (request, cached prefix, new tokens): prefills from scratch and over a cached prefix, rows
+    # past the kernel's block of 8, a window shorter than the prompts.
+    args = (steps, 9, 3, head_size, 4, window, dtype)
     metadata, out, kv_cache = _attend(CpuAttentionBackend(), *args, pad=pad)
-    assert isinstance(metadata, CpuMixedMetadata)
-    decode_reqs = [r for r, _, query_len in steps if query_len == 1]
-    assert metadata.decodes.seq_lens.shape[0] == len(decode_reqs)
+    assert isinstance(metadata, CpuAttentionMetadata)
+    assert metadata.decodes_only == all(query_len == 1 for _, _, query_len in steps)
+    assert metadata.num_rows == sum(query_len for _, _, query_len in steps)
     _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args, pad=pad)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
 
 
-def test_prefill_only_steps_take_the_torch_backends_path():
-    args = ([(0, 0, 6), (1, 2, 3)], 4, 2, 8, 4, None, torch.float32)
-    metadata, out, _ = _attend(CpuAttentionBackend(), *args)
+def test_a_long_prefill_takes_the_torch_backends_path():
+    # Past LONG_PREFILL_ATTENTIONS row-key pairs SDPA is faster; one decode beside it goes along.
+    longest = int(LONG_PREFILL_ATTENTIONS**0.5)
+    for query_len, expected in (
+        (longest, CpuAttentionMetadata),
+        (longest + 1, TorchAttentionMetadata),
+    ):
+        common = build_metadata(BlockAllocator(NUM_BLOCKS, 16), [(0, 0, query_len), (1, 5, 1)])
+        kv_cache = torch.randn(NUM_BLOCKS, 16, 2, 8)
+        metadata = CpuAttentionBackend().build_metadata(common, attention_spec(kv_cache))
+        assert isinstance(metadata, expected), query_len
+
+
+def test_a_float16_cache_takes_the_torch_backends_path():
+    common = build_metadata(BlockAllocator(NUM_BLOCKS, 4), [(0, 0, 6), (1, 2, 1)])
+    kv_cache = tuple(torch.randn(NUM_BLOCKS, 4, 2, 8).half() for _ in range(2))
+    metadata = CpuAttentionBackend().build_metadata(common, attention_spec(kv_cache[0]))
     assert isinstance(metadata, TorchAttentionMetadata)
-    torch.testing.assert_close(out, _attend(TorchAttentionBackend(), *args)[1])
 
 
 def test_a_float32_query_over_a_bfloat16_cache():

@@ -133,7 +133,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
 
 def get_default_attention_backend(device_type: str) -> AttentionBackend:
-    """Triton's kernels on CUDA when triton imports; on CPU our compiled decode kernel when it
+    """Triton's kernels on CUDA when triton imports; on CPU our compiled attention kernel when it
     builds (`cpu_kernels`); the torch backend otherwise."""
     if device_type == "cuda":
         try:

@@ -1,13 +1,15 @@
-"""The CPU attention backend: decodes through our C kernel, prefills through the torch backend.
+"""The CPU attention backend: every step through our C kernel (`cpu_paged_attention.c`).
 
-Every decode row (one request's one new token) is attended by `cpu_decode_attention.c`, which
-reads the request's keys in place through the block table: no gather, no padding to the group's
-longest request, no mask. At batch 1 and a few hundred keys it is several times faster than the
-torch backend's gathered SDPA (`scripts/profile_steps.py`, "attention"). A step of decodes only
-(steady decoding) is all kernel; a step with prefills in it attends them with the torch
-backend's plan (built without its decode groups) and its decode rows with the kernel. Cache dtypes
-the kernel does not read (float16) and V heads of another size than K's take the torch backend
-for everything. Chosen by default on CPU when the kernels build (`get_default_attention_backend`).
+The kernel reads each request's keys in place through the block table (no gather, no padding to
+the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
+over a cached prefix. A decode step runs several times faster than the torch backend's gathered
+SDPA, and prefills of chat length (up to a few hundred tokens) about twice as fast as its SDPA
+(`scripts/profile_steps.py`, "attention"). Its cost grows with rows x keys at a higher rate than
+SDPA's, so a step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs takes the torch
+backend (on the 2-core bench machine: 12 vs 23 ms per layer for 13 prompts of 144 tokens, 39 vs
+27 ms for one of 1024). So do cache dtypes the kernel does not read (float16), V heads of another
+size than K's, and slots of -1 among a step's real rows. Chosen by default on CPU when the kernels
+build (`get_default_attention_backend`).
 """
 
 from __future__ import annotations
@@ -20,38 +22,36 @@ from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVCache
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
-from v1engine.model.layers.torch_attention import (
-    TorchAttentionBackend,
-    TorchAttentionMetadata,
-    build_step_plan,
-    written_slots,
-)
+from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
+
+# Past this many row-key pairs in one request (query rows x keys), SDPA's blocked GEMMs beat the
+# kernel's dot products: about a 256-token prompt from scratch (crossover measured near 350).
+LONG_PREFILL_ATTENTIONS = 256 * 256
 
 
 @dataclass(frozen=True)
-class CpuDecodeMetadata:
-    """Decodes for the kernel: entry i is the i-th decode's (a step of decodes only: row i)."""
+class CpuAttentionMetadata:
+    """One KV cache group's step for the kernel: request r's query rows are query_start_loc[r]
+    .. query_start_loc[r + 1] - 1, or row r alone when query_start_loc is None (a step of
+    decodes); the rows from num_rows on are padding."""
 
-    slot_mapping: torch.Tensor  # [num_decodes] int64
-    block_table: torch.Tensor  # [num_decodes, max_blocks_per_req] int32, contiguous
-    seq_lens: torch.Tensor  # [num_decodes] int32, contiguous
+    slot_mapping: torch.Tensor  # [num_rows] int64, the real rows' slots
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, contiguous
+    seq_lens: torch.Tensor  # [num_reqs] int32, contiguous
+    query_start_loc: torch.Tensor | None  # [num_reqs + 1] int32, contiguous
+    num_rows: int
     # No window here: the kernel takes the layer's at call time (no plan depends on it).
 
-
-@dataclass(frozen=True)
-class CpuMixedMetadata:
-    """A step with prefills: the torch backend's plan for them, the kernel for the decode rows."""
-
-    prefills: TorchAttentionMetadata  # writes every row's K/V; its plan has no decode groups
-    decode_rows: torch.Tensor  # [num_decodes] int64, the query rows of the decodes
-    decodes: CpuDecodeMetadata  # the decodes' own (their K/V are written with every row's)
+    @property
+    def decodes_only(self) -> bool:
+        return self.query_start_loc is None
 
 
-CpuMetadata = CpuDecodeMetadata | CpuMixedMetadata | TorchAttentionMetadata
+CpuMetadata = CpuAttentionMetadata | TorchAttentionMetadata
 
 
 class CpuAttentionBackend:
-    """The `AttentionBackend` for CPUs: our decode kernel, the torch backend for the rest."""
+    """The `AttentionBackend` for CPUs: our kernel, the torch backend where it cannot read."""
 
     name = "cpu"
 
@@ -61,41 +61,31 @@ class CpuAttentionBackend:
     def build_metadata(
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
     ) -> CpuMetadata:
-        if not (_kernel_reads(kv_cache_spec) and common.block_table.device.type == "cpu"):
-            return self._torch.build_metadata(common, kv_cache_spec)
-        if common.max_query_len == 1 and common.num_tokens == common.num_reqs:
-            if bool((common.slot_mapping >= 0).all()):  # decodes only: row r is request r's
-                return CpuDecodeMetadata(
-                    common.slot_mapping.to(torch.int64).contiguous(),
+        if _kernel_reads(kv_cache_spec) and common.block_table.device.type == "cpu":
+            if _longest_prefill_attentions(common) > LONG_PREFILL_ATTENTIONS:
+                return self._torch.build_metadata(common, kv_cache_spec)
+            num_rows = int(common.query_start_loc[-1])
+            slots = common.slot_mapping[:num_rows].to(torch.int64).contiguous()
+            if bool((slots >= 0).all()):
+                decodes = common.max_query_len == 1 and num_rows == common.num_reqs
+                starts = None if decodes else common.query_start_loc.to(torch.int32).contiguous()
+                return CpuAttentionMetadata(
+                    slots,
                     common.block_table[: common.num_reqs].to(torch.int32).contiguous(),
                     common.seq_lens.to(torch.int32).contiguous(),
+                    starts,
+                    num_rows,
                 )
-        plan = build_step_plan(common, kv_cache_spec, with_decodes=False)
-        prefills = TorchAttentionMetadata(*written_slots(common.slot_mapping), plan)
-        decodes = (common.query_start_loc.diff() == 1).nonzero().flatten()  # request indices
-        if decodes.numel() == 0:
-            return prefills
-        rows = common.query_start_loc.index_select(0, decodes).to(torch.int64)
-        return CpuMixedMetadata(
-            prefills,
-            rows,
-            CpuDecodeMetadata(
-                common.slot_mapping.index_select(0, rows),
-                common.block_table.index_select(0, decodes).to(torch.int32).contiguous(),
-                common.seq_lens.index_select(0, decodes).to(torch.int32).contiguous(),
-            ),
-        )
+        return self._torch.build_metadata(common, kv_cache_spec)
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, metadata: CpuMetadata
     ) -> None:
-        if isinstance(metadata, CpuDecodeMetadata):
-            cpu_kernels.write_kv(key, value, *kv_cache, metadata.slot_mapping)
-        else:
-            torch_metadata = (
-                metadata.prefills if isinstance(metadata, CpuMixedMetadata) else metadata
-            )
-            self._torch.write_kv_cache(key, value, kv_cache, torch_metadata)
+        if isinstance(metadata, TorchAttentionMetadata):
+            self._torch.write_kv_cache(key, value, kv_cache, metadata)
+            return
+        rows = metadata.num_rows
+        cpu_kernels.write_kv(key[:rows], value[:rows], *kv_cache, metadata.slot_mapping)
 
     def forward(
         self,
@@ -105,37 +95,33 @@ class CpuAttentionBackend:
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        if isinstance(metadata, CpuDecodeMetadata):
-            return _decode(query, kv_cache, metadata, scale, sliding_window)
         if isinstance(metadata, TorchAttentionMetadata):
             return self._torch.forward(query, kv_cache, metadata, scale, sliding_window)
-        # The torch plan leaves the decode rows zero; the kernel fills them in.
-        out = self._torch.forward(query, kv_cache, metadata.prefills, scale, sliding_window)
-        rows = metadata.decode_rows
-        decoded = _decode(
-            query.index_select(0, rows), kv_cache, metadata.decodes, scale, sliding_window
-        )
-        return out.index_copy_(0, rows, decoded)
+        rows = metadata.num_rows
+        cache_dtype = kv_cache[0].dtype
+        out = cpu_kernels.paged_attention(
+            query[:rows].to(cache_dtype).contiguous(),
+            *kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            scale,
+            sliding_window,
+            metadata.query_start_loc,
+        ).to(query.dtype)
+        if rows == query.shape[0]:
+            return out
+        padded = query.new_zeros(query.shape)  # padding rows come back as zeros, as torch's
+        padded[:rows] = out
+        return padded
 
 
-def _decode(
-    query: torch.Tensor,
-    kv_cache: KVCache,
-    metadata: CpuDecodeMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """query [num_decodes, num_heads, head_size], row i request i of the metadata."""
-    cache_dtype = kv_cache[0].dtype
-    out = cpu_kernels.decode_attention(
-        query.to(cache_dtype).contiguous(),
-        *kv_cache,
-        metadata.block_table,
-        metadata.seq_lens,
-        scale,
-        sliding_window,
-    )
-    return out.to(query.dtype)
+def _longest_prefill_attentions(common: CommonAttentionMetadata) -> int:
+    """The most row-key pairs of one request in the step (query rows x its keys, an upper bound
+    on what causality lets it attend)."""
+    if common.max_query_len == 1:
+        return common.max_seq_len
+    query_lens = common.query_start_loc.diff()
+    return int((query_lens.to(torch.int64) * common.seq_lens).max())
 
 
 def _kernel_reads(kv_cache_spec: AttentionSpec) -> bool:

@@ -1,5 +1,6 @@
-/* Every decoder layer of a Llama-shaped model, and the final norm, for the tokens of a CPU
-   decode step (up to the rows linear.py sends to our matmul kernels), in one call.
+/* Every decoder layer of a Llama-shaped model, and the final norm, for the tokens of a small CPU
+   step (up to the rows linear.py sends to our matmul kernels: decodes, or a few prompt tokens
+   among them), in one call.
 
    At batch 1 a layer is about ten small ops (two norms, three matmuls, rotary, the K/V write,
    attention, SiLU-and-mul). Called one by one from Python each costs 10-30 us of dispatch (module
@@ -9,7 +10,7 @@
    (models/llama.py), so its outputs are bit-identical to it (tests/model/test_decode_stack.py).
 
    A layer: residual += x; h = RMSNorm(residual); qkv = h Wqkv^T (+ b); optional RMSNorm per q and
-   k head (Qwen3); neox rotary; K/V written at the step's slots; paged decode attention;
+   k head (Qwen3); neox rotary; K/V written at the step's slots; paged attention;
    x = attn Wo^T (+ b after, as a row-parallel layer adds it); residual += x; h = RMSNorm(residual);
    x = (SiLU(gate) * up) Wdown^T (+ b after). The first layer's residual is the embeddings; the
    stack ends with residual += x and the model's final RMSNorm. Tensor parallelism 1 only (no
@@ -35,15 +36,17 @@ struct v1e_decoder_shape {
     long gemv_max_tokens; /* cpu_kernels.max_gemv_tokens: up to it gemv, past it gemm */
 };
 
-/* The step: `tokens` decodes, one per sequence, and per KV cache group g their slots, block
-   table and sequence lengths (as cpu_attention_backend.CpuDecodeMetadata holds them). */
+/* The step: `tokens` query rows of `num_seqs` sequences, and per KV cache group g their slots,
+   block table, sequence lengths and row bounds (as cpu_attention_backend.CpuAttentionMetadata
+   holds them; query_start_locs[g] NULL: one row per sequence). */
 struct v1e_decode_step {
-    long tokens;
+    long tokens, num_seqs;
     const void *cos, *sin; /* [tokens, head_size] */
     const int64_t *const *slots;
     const int32_t *const *block_tables;
     const long *table_strides;
     const int32_t *const *seq_lens;
+    const int32_t *const *query_start_locs;
 };
 
 /* The widths of q, k (and v) and the fused qkv rows, derived once per call from the shape. */
@@ -123,10 +126,11 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
         v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
                      L->v_cache, st->slots[g], M, w->kv * sizeof(T), w->qkv * sizeof(T),       \
                      w->kv * sizeof(T));                                                       \
-        if (v1e_decode_attention_##S(b->q, L->k_cache, L->v_cache, st->block_tables[g],        \
-                                     st->seq_lens[g], b->attn, M, sh->num_heads,               \
-                                     sh->num_kv_heads, sh->head_size, L->block_size,           \
-                                     st->table_strides[g], L->window, sh->scale))              \
+        if (v1e_paged_attention_##S(b->q, L->k_cache, L->v_cache, st->block_tables[g],         \
+                                    st->seq_lens[g], st->query_start_locs[g], b->attn,         \
+                                    st->num_seqs, sh->num_heads, sh->num_kv_heads,             \
+                                    sh->head_size, L->block_size, st->table_strides[g],        \
+                                    L->window, sh->scale))                                     \
             return 1;                                                                          \
         if (matmul_##S(sh, b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q)) return 1;  \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \

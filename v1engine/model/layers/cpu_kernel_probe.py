@@ -57,28 +57,44 @@ def _cases(generator: torch.Generator, dtype: torch.dtype):
     gate_up = randn(3, 10)
     yield "silu_and_mul", cpu_kernels.silu_and_mul(gate_up), activation.silu_and_mul(gate_up)
     for window in (None, 3):
-        query, kv_cache, block_table, seq_lens = _attention_case(randn)
-        out = cpu_kernels.decode_attention(query, *kv_cache, block_table, seq_lens, 0.3, window)
-        expected = _decode_attention(query, kv_cache, block_table, seq_lens, 0.3, window)
-        yield "decode_attention", out, expected
+        for head_size, query_start_loc in ((8, None), (16, [0, 3, 4])):
+            case = _attention_case(randn, head_size, query_start_loc)
+            yield (
+                "paged_attention",
+                cpu_kernels.paged_attention(*case[:5], 0.3, window, case[5]),
+                _paged_attention(*case, 0.3, window),
+            )
 
 
-def _attention_case(randn) -> tuple:
-    """Two sequences (5 and 3 keys), 4 query heads over 2 KV heads, blocks of 2, shuffled."""
-    kv_cache = (randn(6, 2, 2, 8), randn(6, 2, 2, 8))
+def _attention_case(randn, head_size: int, query_start_loc: list[int] | None) -> tuple:
+    """Two sequences of 5 and 3 keys, blocks of 2, shuffled; 4 query heads over 2 KV heads; one
+    query row per sequence, or the rows query_start_loc gives (the first sequence's last 3)."""
+    kv_cache = (randn(6, 2, 2, head_size), randn(6, 2, 2, head_size))
     block_table = torch.tensor([[4, 0, 5, 1], [2, 3, 1, 1]], dtype=torch.int32)
-    return randn(2, 4, 8), kv_cache, block_table, torch.tensor([5, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 3], dtype=torch.int32)
+    if query_start_loc is None:
+        return randn(2, 4, head_size), *kv_cache, block_table, seq_lens, None
+    starts = torch.tensor(query_start_loc, dtype=torch.int32)
+    return randn(query_start_loc[-1], 4, head_size), *kv_cache, block_table, seq_lens, starts
 
 
-def _decode_attention(query, kv_cache, block_table, seq_lens, scale, window):
+def _paged_attention(query, key_cache, value_cache, block_table, seq_lens, starts, scale, window):
+    """A dense reference: every query row over the keys it sees, gathered position by position."""
     out = torch.empty_like(query, dtype=torch.float32)
-    block_size, num_kv_heads = kv_cache[0].shape[1], kv_cache[0].shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
+    bounds = list(range(len(seq_lens) + 1)) if starts is None else starts.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
-        first = 0 if window is None else max(0, seq_len - window)
-        positions = torch.arange(first, seq_len)
-        slots = block_table[s].long()[positions // block_size] * block_size + positions % block_size
-        key, value = (c.flatten(0, 1)[slots].float().repeat_interleave(group, 1) for c in kv_cache)
-        weights = torch.softmax(torch.einsum("hd,khd->hk", query[s].float(), key) * scale, -1)
-        out[s] = torch.einsum("hk,khd->hd", weights, value)
+        for row in range(bounds[s], bounds[s + 1]):
+            position = seq_len - (bounds[s + 1] - row)
+            first = 0 if window is None else max(0, position + 1 - window)
+            keys = torch.arange(first, position + 1)
+            table = block_table[s].long()
+            slots = table[keys // block_size] * block_size + keys % block_size
+            k, v = (
+                c.flatten(0, 1)[slots].float().repeat_interleave(group, 1)
+                for c in (key_cache, value_cache)
+            )
+            weights = torch.softmax(torch.einsum("hd,khd->hk", query[row].float(), k) * scale, -1)
+            out[row] = torch.einsum("hk,khd->hd", weights, v)
     return out

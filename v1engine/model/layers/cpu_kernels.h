@@ -66,11 +66,11 @@ static inline float v1e_expf(float x)
                         T *k_out, long tokens, long num_heads, long num_kv_heads, long D,      \
                         long q_stride, long k_stride);                                         \
     void v1e_silu_and_mul_##S(const T *x, T *out, long tokens, long d);                        \
-    int v1e_decode_attention_##S(const T *q, const T *k_cache, const T *v_cache,               \
-                                 const int32_t *block_table, const int32_t *seq_lens, T *out,  \
-                                 long num_seqs, long num_heads, long num_kv_heads,             \
-                                 long head_size, long block_size, long table_stride,           \
-                                 long window, float scale);
+    int v1e_paged_attention_##S(const T *q, const T *k_cache, const T *v_cache,                \
+                                const int32_t *block_table, const int32_t *seq_lens,           \
+                                const int32_t *query_start_loc, T *out, long num_seqs,         \
+                                long num_heads, long num_kv_heads, long head_size,             \
+                                long block_size, long table_stride, long window, float scale);
 
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)

@@ -1,6 +1,6 @@
 """Our compiled CPU kernels for decode steps, as torch ops: the matmul of a few tokens
-(`cpu_gemv.c`) and of a few dozen (`cpu_gemm.c`), paged decode attention and its K/V write
-(`cpu_decode_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
+(`cpu_gemv.c`) and of a few dozen (`cpu_gemm.c`), paged attention and its K/V write
+(`cpu_paged_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
 SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
 times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
 dozen tokens, reach half their prefill GFLOP/s), the small ops are several dispatches each
@@ -175,7 +175,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_attention(
+def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -183,25 +183,29 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged keys (attention_backend.py's layout).
+    """Each request's query rows over its paged keys (attention_backend.py's layout and batch
+    contract).
 
-    query [num_seqs, num_heads, head_size]; key_cache/value_cache [num_blocks, block_size,
-    num_kv_heads, head_size] of query's dtype; block_table [num_seqs, stride] int32 (rows may be
-    longer than needed); seq_lens [num_seqs] int32, each >= 1. All contiguous.
-    Returns [num_seqs, num_heads, head_size].
+    query [num_rows, num_heads, head_size]; key_cache/value_cache [num_blocks, block_size,
+    num_kv_heads, head_size] of query's dtype; block_table [num_reqs, stride] int32 (rows may be
+    longer than needed); seq_lens [num_reqs] int32; query_start_loc [num_reqs + 1] int32 whose
+    last entry is num_rows, or None for one row per request (decodes). All contiguous.
+    Returns [num_rows, num_heads, head_size].
     """
-    num_seqs, num_heads, head_size = query.shape
+    _, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
-    failed = kernel("decode_attention", query.dtype)(
+    failed = kernel("paged_attention", query.dtype)(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         block_table.data_ptr(),
         seq_lens.data_ptr(),
+        _pointer(query_start_loc),
         out.data_ptr(),
-        num_seqs,
+        seq_lens.shape[0],
         num_heads,
         num_kv_heads,
         head_size,
@@ -211,7 +215,7 @@ def decode_attention(
         scale,
     )
     if failed:
-        raise MemoryError("decode attention could not allocate its score buffers")
+        raise MemoryError("paged attention could not allocate its score buffers")
     return out
 
 

@@ -290,11 +290,8 @@ class StepPlan:
         return groups[0].rows_in_order and groups[0].rows.shape[0] == num_tokens
 
 
-def build_step_plan(
-    metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec, with_decodes: bool = True
-) -> StepPlan:
-    """The plan of one step for the layers of one KV cache group (block size, window); without
-    `with_decodes`, of its multi-token requests only (another kernel attends the others)."""
+def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
+    """The plan of one step for the layers of one KV cache group (block size, window)."""
     block_size = kv_cache_spec.block_size
     sliding_window = None
     if isinstance(kv_cache_spec, SlidingWindowSpec):
@@ -314,7 +311,7 @@ def build_step_plan(
     decodes.sort(key=lambda r: seq_lens[r], reverse=True)
     groups = [
         _plan_decode_group(metadata, members, query_start_loc, block_size, sliding_window)
-        for members in _split_decodes(decodes if with_decodes else [], seq_lens, kv_cache_spec)
+        for members in _split_decodes(decodes, seq_lens, kv_cache_spec)
     ]
     return StepPlan(prefills, groups, sliding_window)
 

@@ -6,8 +6,9 @@ dispatch is still several percent of a step. `LlamaModel.forward` hands such ste
 which runs the same kernels in the same order in C (the matmul kernel `linear` picks for the row
 count included), so the hidden states are bit-identical to the layer-by-layer forward
 (`tests/model/test_decode_stack.py`). It applies to steps of at most `linear.max_kernel_tokens`
-decodes that the CPU attention backend planned (`CpuDecodeMetadata` for every KV cache group), at
-tensor-parallel size 1, with KV caches of the model's dtype; every other step runs the layers.
+rows without padding (decodes, or decodes and a few prompt tokens) that the CPU attention backend
+planned (`CpuAttentionMetadata` for every KV cache group), at tensor-parallel size 1, with KV
+caches of the model's dtype; every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention import get_forward_context
-from v1engine.model.layers.cpu_attention_backend import CpuDecodeMetadata
+from v1engine.model.layers.cpu_attention_backend import CpuAttentionMetadata
 from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.linear import max_kernel_tokens
 from v1engine.model.layers.rotary_embedding import CosSin
@@ -57,12 +58,14 @@ class _Shape(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [
         ("tokens", _N),
+        ("num_seqs", _N),
         ("cos", _P),
         ("sin", _P),
         ("slots", ctypes.POINTER(_P)),
         ("block_tables", ctypes.POINTER(_P)),
         ("table_strides", ctypes.POINTER(_N)),
         ("seq_lens", ctypes.POINTER(_P)),
+        ("query_start_locs", ctypes.POINTER(_P)),
     ]
 
 
@@ -93,7 +96,10 @@ class LlamaDecodeStack:
         return (
             metadata is not None
             and hidden.shape[0] <= max_kernel_tokens(hidden.dtype)
-            and all(isinstance(m, CpuDecodeMetadata) for m in metadata)
+            and all(
+                isinstance(m, CpuAttentionMetadata) and m.num_rows == hidden.shape[0]
+                for m in metadata
+            )
             and cpu_kernels.applies(hidden, self._model.norm.weight)  # one dtype, on CPU
             and self._layer_table() is not None
         )
@@ -101,17 +107,19 @@ class LlamaDecodeStack:
     def __call__(self, hidden: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
         """The embeddings hidden [tokens, hidden_size] -> the final norm's output, as
         `LlamaModel.forward`; check `applies` first."""
-        metadata: list[CpuDecodeMetadata] = get_forward_context().attn_metadata  # type: ignore
+        metadata: list[CpuAttentionMetadata] = get_forward_context().attn_metadata  # type: ignore
         cos, sin = (t.contiguous() for t in cos_sin)
         groups = len(metadata)
         step = _Step(
             hidden.shape[0],
+            metadata[0].seq_lens.shape[0],
             cos.data_ptr(),
             sin.data_ptr(),
             (_P * groups)(*(m.slot_mapping.data_ptr() for m in metadata)),
             (_P * groups)(*(m.block_table.data_ptr() for m in metadata)),
             (_N * groups)(*(m.block_table.stride(0) for m in metadata)),
             (_P * groups)(*(m.seq_lens.data_ptr() for m in metadata)),
+            (_P * groups)(*(_pointer(m.query_start_loc) for m in metadata)),
         )
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
@@ -154,6 +162,10 @@ class LlamaDecodeStack:
             return None
         structs = (_layer_struct(layer, w) for layer, w in zip(model.layers, weights))
         return (_Layer * len(model.layers))(*structs)
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:

@@ -1,0 +1,407 @@
+/* Paged attention on CPU, for any step: each sequence's new query rows (one for a decode, many for
+   a prefill or a chunk of one) over its keys in the paged cache, read in place through the block
+   table (no gather, no padding, no mask tensor).
+
+   The work is cut into units of up to ROW_BLOCK consecutive query rows of one sequence, one task
+   each. A unit makes three passes over the keys its rows see: the scores of every row and query
+   head (keys a row does not see score -inf), an exact softmax per row and head (its maximum
+   first, no running rescale), then the probability-weighted sum of the values. Each key row is
+   read once per pass for all the unit's rows and heads, so a prefill's keys come from memory once
+   per ROW_BLOCK rows, not once per row. Positions are walked LANES at a time (16 with AVX-512, 8
+   otherwise), block by block.
+
+   Head sizes that are whole vectors (every real model's: 64, 128, ...) take the vector path: for
+   each row and query head, LANES keys' dot products are summed across their lanes by one shuffle
+   tree into one vector of LANES scores, instead of one horizontal sum per key; the values are
+   summed two keys at a time into vector accumulators. Other head sizes (tiny test models) take a
+   plain loop per key.
+
+   The layout contract is attention_backend.py's: key position p of sequence s lives in block
+   block_table[s, p / block_size] at offset p % block_size; sequence s's query rows are
+   query_start_loc[s] .. query_start_loc[s + 1] - 1, its last tokens, so row i sits at position
+   seq_lens[s] - q_len + i and sees positions k <= it, and with a window W > 0 only those with
+   position - k < W. Query head h reads KV head h / (num_heads / num_kv_heads).
+
+   q [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_table [S, table_stride]
+   int32; seq_lens [S] int32; query_start_loc [S + 1] int32, or NULL for one row per sequence (a
+   step of decodes: T = S); out [T, H, D]. Built with the other kernels into one library
+   (cpu_kernel_library.py); returns nonzero if a buffer could not be allocated. */
+
+#include <math.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define MAX_HEAD_VECS 8 /* the vector path takes head sizes up to 8 * LANES */
+#define ROW_BLOCK 8     /* query rows of one sequence attended together */
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef uint16_t bf16_vec_unaligned __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef int32_t int_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vec load_f32(const float *p) { return *(const vec_unaligned *)p; }
+
+static inline vec load_bf16(const uint16_t *p)
+{
+    int_vec bits = __builtin_convertvector(*(const bf16_vec_unaligned *)p, int_vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+struct attention_shape {
+    long num_heads, num_kv_heads, head_size, block_size, window;
+    float scale;
+};
+
+/* One unit: `rows` query rows; the keys first .. first + n - 1 that any of them sees; row r sees
+   keys first + lo[r] .. first + hi[r] (lo/hi relative to first). */
+struct unit {
+    long rows, first, n;
+    long lo[ROW_BLOCK], hi[ROW_BLOCK];
+};
+
+/* Lane j of the result is the sum of v[j]'s lanes: LANES horizontal sums by halving, pairing the
+   vectors at each level, so that it costs about two shuffles and one add per sum. */
+#if LANES == 16
+static inline vec sum_lanes(const vec *v)
+{
+    vec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+#else
+static inline vec sum_lanes(const vec *v)
+{
+    vec b[4], c[2];
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+
+/* The cache rows of `count` (<= LANES) positions from `pos` on, walking the block table block by
+   block; slots past `count` repeat the last row, so that a partial group reads valid memory. */
+static inline void group_rows(const char **rows, const char *cache, const int32_t *table, long pos,
+                              long count, long block_size, long row_bytes)
+{
+    long block = pos / block_size, offset = pos % block_size;
+    const char *base = cache + (long)table[block] * block_size * row_bytes;
+    for (long j = 0; j < count; j++) {
+        rows[j] = base + offset * row_bytes;
+        if (++offset == block_size && j + 1 < count) {
+            offset = 0;
+            base = cache + (long)table[++block] * block_size * row_bytes;
+        }
+    }
+    for (long j = count; j < LANES; j++) rows[j] = rows[count - 1];
+}
+
+/* The keys i0 .. i0 + count - 1 that row r sees, as j0 .. j1 - 1 (j1 <= j0: none). */
+static inline void seen(const struct unit *u, long r, long i0, long count, long *j0, long *j1)
+{
+    *j0 = u->lo[r] > i0 ? u->lo[r] - i0 : 0;
+    *j1 = u->hi[r] + 1 - i0 < count ? u->hi[r] + 1 - i0 : count;
+}
+
+/* The largest of p[0 .. n-1], LANES at a time (a scalar running maximum waits on itself). */
+static float maximum(const float *p, long n)
+{
+    vec top = (vec){0} - INFINITY;
+    long i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vec v = load_f32(p + i);
+        int_vec larger = v > top; /* all ones where v is larger (C has no vector ?:) */
+        top = (vec)(((int_vec)v & larger) | ((int_vec)top & ~larger));
+    }
+    float best = -INFINITY;
+    for (int l = 0; l < LANES; l++) best = top[l] > best ? top[l] : best;
+    for (; i < n; i++) best = p[i] > best ? p[i] : best;
+    return best;
+}
+
+/* scores [rows, H, n] -> softmax per row and head, in place (-inf scores become 0). */
+static void softmax(float *scores, long num_rows, long n)
+{
+    for (long r = 0; r < num_rows; r++) {
+        float *p = scores + r * n, top = maximum(p, n), total = 0.f;
+        _Pragma("omp simd reduction(+:total)")
+        for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);
+        for (long i = 0; i < n; i++) p[i] /= total;
+    }
+}
+
+/* The vector path for head_size = VECS * LANES: `_scores` fills scores[(r * H + h) * n + i]
+   (row r, query head h, key first + i), `_values` sums the values with the softmax weights. */
+#define VECTOR_PASSES(NAME, T, LOAD, STORE, VECS)                                              \
+    static void NAME##_scores_##VECS(const T *q, const char *k_cache, const int32_t *table,    \
+                                     const struct unit *u, const struct attention_shape *sh,   \
+                                     float *scores)                                            \
+    {                                                                                          \
+        const long H = sh->num_heads, G = H / sh->num_kv_heads, n = u->n;                      \
+        const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
+        vec query[u->rows * H][VECS];                                                          \
+        for (long rh = 0; rh < u->rows * H; rh++)                                              \
+            for (int c = 0; c < VECS; c++) query[rh][c] = LOAD(q + (rh * VECS + c) * LANES);    \
+        const char *rows[LANES];                                                               \
+        for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
+            long count = n - i0 < LANES ? n - i0 : LANES;                                      \
+            group_rows(rows, k_cache, table, u->first + i0, count, sh->block_size, row_bytes); \
+            for (long r = 0; r < u->rows; r++) {                                               \
+                long j0, j1;                                                                   \
+                seen(u, r, i0, count, &j0, &j1);                                               \
+                for (long h = 0; h < H; h++) {                                                 \
+                    float *s = scores + (r * H + h) * n + i0;                                  \
+                    for (long j = 0; j < count; j++) s[j] = -INFINITY;                         \
+                    if (j1 <= j0) continue;                                                    \
+                    const vec *qh = query[r * H + h];                                          \
+                    const long head = (h / G) * VECS * LANES;                                  \
+                    vec dots[LANES];                                                           \
+                    _Pragma("GCC unroll 16") for (int j = 0; j < LANES; j++) {                 \
+                        const T *key = (const T *)rows[j] + head;                              \
+                        vec dot = qh[0] * LOAD(key);                                           \
+                        _Pragma("GCC unroll 8") for (int c = 1; c < VECS; c++)                 \
+                            dot += qh[c] * LOAD(key + c * LANES);                              \
+                        dots[j] = dot;                                                         \
+                    }                                                                          \
+                    vec sums = sum_lanes(dots) * sh->scale;                                    \
+                    for (long j = j0; j < j1; j++) s[j] = sums[j];                             \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,                \
+                                     const struct unit *u, const struct attention_shape *sh,   \
+                                     const float *probabilities, T *out)                       \
+    {                                                                                          \
+        const long H = sh->num_heads, G = H / sh->num_kv_heads, n = u->n;                      \
+        const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
+        vec acc[u->rows * H][VECS];                                                            \
+        memset(acc, 0, sizeof acc);                                                            \
+        const char *rows[LANES];                                                               \
+        for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
+            long count = n - i0 < LANES ? n - i0 : LANES;                                      \
+            group_rows(rows, v_cache, table, u->first + i0, count, sh->block_size, row_bytes); \
+            for (long rh = 0; rh < u->rows * H; rh++) {                                        \
+                long j0, j, j1;                                                                \
+                seen(u, rh / H, i0, count, &j0, &j1);                                          \
+                const long head = (rh % H / G) * VECS * LANES;                                 \
+                const float *p = probabilities + rh * n + i0;                                  \
+                vec even[VECS], odd[VECS]; /* two keys at a time: two chains of adds */        \
+                _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++) {                       \
+                    even[c] = acc[rh][c];                                                      \
+                    odd[c] = (vec){0};                                                         \
+                }                                                                              \
+                for (j = j0; j + 1 < j1; j += 2) {                                             \
+                    const T *a = (const T *)rows[j] + head, *b = (const T *)rows[j + 1] + head; \
+                    _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++) {                   \
+                        even[c] += p[j] * LOAD(a + c * LANES);                                 \
+                        odd[c] += p[j + 1] * LOAD(b + c * LANES);                              \
+                    }                                                                          \
+                }                                                                              \
+                if (j < j1)                                                                    \
+                    _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++)                     \
+                        even[c] += p[j] * LOAD((const T *)rows[j] + head + c * LANES);         \
+                _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++)                         \
+                    acc[rh][c] = even[c] + odd[c];                                             \
+            }                                                                                  \
+        }                                                                                      \
+        for (long rh = 0; rh < u->rows * H; rh++)                                              \
+            for (int c = 0; c < VECS; c++)                                                     \
+                for (int l = 0; l < LANES; l++)                                                \
+                    out[(rh * VECS + c) * LANES + l] = STORE(acc[rh][c][l]);                   \
+    }
+
+/* The plain path, any head size, in one walk over the keys per pass: with `acc` NULL it fills
+   scores[(r * H + h) * n + i], else it adds the probabilities there times key i's value to
+   acc[r * H + h] (acc: [rows, H, D] floats, zeroed). */
+#define PLAIN_PASS(NAME, T, LOAD)                                                              \
+    static void NAME##_plain_pass(const T *q, const char *cache, const int32_t *table,         \
+                                  const struct unit *u, const struct attention_shape *sh,      \
+                                  float *scores, float *acc)                                   \
+    {                                                                                          \
+        const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads, n = u->n;   \
+        const long row_bytes = sh->num_kv_heads * D * sizeof(T);                               \
+        const char *rows[LANES];                                                               \
+        for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
+            long count = n - i0 < LANES ? n - i0 : LANES;                                      \
+            group_rows(rows, cache, table, u->first + i0, count, sh->block_size, row_bytes);   \
+            for (long rh = 0; rh < u->rows * H; rh++) {                                        \
+                long j0, j1;                                                                   \
+                seen(u, rh / H, i0, count, &j0, &j1);                                          \
+                float *score = scores + rh * n + i0;                                           \
+                for (long j = 0; j < count; j++) {                                             \
+                    const T *head = (const T *)rows[j] + (rh % H / G) * D;                     \
+                    if (acc) {                                                                 \
+                        if (j < j0 || j >= j1) continue;                                       \
+                        for (long d = 0; d < D; d++) acc[rh * D + d] += score[j] * LOAD(head[d]); \
+                        continue;                                                              \
+                    }                                                                          \
+                    float dot = 0.f;                                                           \
+                    for (long d = 0; d < D; d++) dot += LOAD(q[rh * D + d]) * LOAD(head[d]);   \
+                    score[j] = j >= j0 && j < j1 ? dot * sh->scale : -INFINITY;                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* One unit: scores, softmax, values, by the vector path when the head size allows. */
+#define VECTOR_CASE(NAME, VECS)                                                                \
+    case VECS:                                                                                 \
+        NAME##_scores_##VECS(q, k_cache, table, u, sh, scores);                                \
+        softmax(scores, u->rows * sh->num_heads, u->n);                                        \
+        NAME##_values_##VECS(v_cache, table, u, sh, scores, out);                              \
+        return 0;
+
+#define PAGED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE)                                     \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 1)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 2)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 3)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 4)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 5)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 6)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 7)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 8)                                              \
+    PLAIN_PASS(NAME, T, LOAD)                                                                  \
+                                                                                               \
+    static int NAME##_unit(const T *q, const char *k_cache, const char *v_cache,               \
+                           const int32_t *table, const struct unit *u, T *out,                 \
+                           const struct attention_shape *sh, float *scores)                    \
+    {                                                                                          \
+        switch (sh->head_size % LANES == 0 ? sh->head_size / LANES : 0) {                      \
+            VECTOR_CASE(NAME, 1)                                                               \
+            VECTOR_CASE(NAME, 2)                                                               \
+            VECTOR_CASE(NAME, 3)                                                               \
+            VECTOR_CASE(NAME, 4)                                                               \
+            VECTOR_CASE(NAME, 5)                                                               \
+            VECTOR_CASE(NAME, 6)                                                               \
+            VECTOR_CASE(NAME, 7)                                                               \
+            VECTOR_CASE(NAME, 8)                                                               \
+        }                                                                                      \
+        const long size = u->rows * sh->num_heads * sh->head_size;                             \
+        float *acc = calloc(size, sizeof(float));                                              \
+        if (!acc) return 1;                                                                    \
+        NAME##_plain_pass(q, k_cache, table, u, sh, scores, NULL);                             \
+        softmax(scores, u->rows * sh->num_heads, u->n);                                        \
+        NAME##_plain_pass(q, v_cache, table, u, sh, scores, acc);                              \
+        for (long i = 0; i < size; i++) out[i] = STORE(acc[i]);                                \
+        free(acc);                                                                             \
+        return 0;                                                                              \
+    }                                                                                          \
+                                                                                               \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,      \
+             const int32_t *seq_lens, const int32_t *query_start_loc, T *out, long num_seqs,   \
+             long num_heads, long num_kv_heads, long head_size, long block_size,               \
+             long table_stride, long window, float scale)                                      \
+    {                                                                                          \
+        const struct attention_shape sh = {num_heads, num_kv_heads, head_size, block_size,     \
+                                           window, scale};                                     \
+        long num_units;                                                                        \
+        long *units = plan_units(query_start_loc, num_seqs, &num_units);                       \
+        if (!units) return 1;                                                                  \
+        const long row_size = num_heads * head_size;                                           \
+        int failed = 0;                                                                        \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
+        for (long i = 0; i < num_units; i++) {                                                 \
+            const long s = units[2 * i], row0 = units[2 * i + 1];                              \
+            struct unit u;                                                                     \
+            describe_unit(&u, seq_lens[s], query_start_loc, s, row0, window);                  \
+            float *scores = malloc(sizeof(float) * u.rows * num_heads * u.n);                  \
+            if (!scores ||                                                                     \
+                NAME##_unit(q + row0 * row_size, (const char *)k_cache, (const char *)v_cache, \
+                            block_table + s * table_stride, &u, out + row0 * row_size, &sh,    \
+                            scores))                                                           \
+                failed = 1;                                                                    \
+            free(scores);                                                                      \
+        }                                                                                      \
+        free(units);                                                                           \
+        return failed;                                                                         \
+    }
+
+/* Sequence s's query rows: start .. end - 1 of the step's rows. */
+static void query_rows(const int32_t *query_start_loc, long s, long *start, long *end)
+{
+    *start = query_start_loc ? query_start_loc[s] : s;
+    *end = query_start_loc ? query_start_loc[s + 1] : s + 1;
+}
+
+/* The work units as (sequence, first row) pairs, ROW_BLOCK rows apart; *num_units of them. */
+static long *plan_units(const int32_t *query_start_loc, long num_seqs, long *num_units)
+{
+    long total = 0, start, end;
+    for (long s = 0; s < num_seqs; s++) {
+        query_rows(query_start_loc, s, &start, &end);
+        total += (end - start + ROW_BLOCK - 1) / ROW_BLOCK;
+    }
+    long *units = malloc(sizeof(long) * 2 * (total ? total : 1)), i = 0;
+    for (long s = 0; units && s < num_seqs; s++) {
+        query_rows(query_start_loc, s, &start, &end);
+        for (long row = start; row < end; row += ROW_BLOCK, i++) {
+            units[2 * i] = s;
+            units[2 * i + 1] = row;
+        }
+    }
+    *num_units = total;
+    return units;
+}
+
+/* The unit of sequence s starting at step row row0: its rows' positions and the keys they see. */
+static void describe_unit(struct unit *u, long seq_len, const int32_t *query_start_loc, long s,
+                          long row0, long window)
+{
+    long start, end;
+    query_rows(query_start_loc, s, &start, &end);
+    u->rows = end - row0 < ROW_BLOCK ? end - row0 : ROW_BLOCK;
+    const long pos0 = seq_len - (end - start) + (row0 - start); /* the first row's position */
+    u->first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    u->n = pos0 + u->rows - u->first;
+    for (long r = 0; r < u->rows; r++) {
+        const long pos = pos0 + r;
+        u->hi[r] = pos - u->first;
+        u->lo[r] = (window > 0 && pos + 1 > window ? pos + 1 - window : 0) - u->first;
+    }
+}
+
+PAGED_ATTENTION(v1e_paged_attention_f32, float, AS_FLOAT, load_f32, AS_FLOAT)
+PAGED_ATTENTION(v1e_paged_attention_bf16, uint16_t, bf16_to_f32, load_bf16, f32_to_bf16)
+
+/* Stores each new token's K and V row (KVH * D elements, `row_bytes` bytes) at its slot; rows of
+   key/value are `key_stride`/`value_stride` bytes apart (a view into the fused QKV output). */
+void v1e_write_kv(const char *key, const char *value, char *k_cache, char *v_cache,
+                  const int64_t *slots, long num_tokens, long key_stride, long value_stride,
+                  long row_bytes)
+{
+    for (long t = 0; t < num_tokens; t++) {
+        memcpy(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+    }
+}
