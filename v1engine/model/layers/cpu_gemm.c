@@ -23,21 +23,16 @@
 
 #include <stdlib.h>
 
-#include "cpu_kernels.h"
+#include "cpu_vectors.h"
 
-#if defined(__AVX512F__)
-#define LANES 16
+#if LANES == 16
 #define TILE_ROWS 8
 #else
-#define LANES 8
 #define TILE_ROWS 4
 #endif
 #define PANEL_VECS 3
 #define PANEL (PANEL_VECS * LANES)
 #define PREFETCH_FLOATS 64 /* how far ahead of k each weight row is asked for */
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
 
 /* TILE_ROWS outputs (weight rows `w`, of which `rows` are real) for the `cols` tokens of one
    panel of VECS vectors; xp is the panel, y the tile's top-left output. */

@@ -37,7 +37,7 @@ SOURCES = tuple(
         "cpu_decoder_stack.c",
     )
 )
-HEADERS = (os.path.join(_HERE, "cpu_kernels.h"),)
+HEADERS = tuple(os.path.join(_HERE, name) for name in ("cpu_kernels.h", "cpu_vectors.h"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 

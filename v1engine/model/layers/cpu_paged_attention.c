@@ -30,30 +30,10 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "cpu_kernels.h"
+#include "cpu_vectors.h"
 
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
 #define MAX_HEAD_VECS 8 /* the vector path takes head sizes up to 8 * LANES */
 #define ROW_BLOCK 8     /* query rows of one sequence attended together */
-
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-typedef uint16_t bf16_vec_unaligned __attribute__((vector_size(LANES * 2), aligned(2)));
-typedef int32_t int_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline vec load_f32(const float *p) { return *(const vec_unaligned *)p; }
-
-static inline vec load_bf16(const uint16_t *p)
-{
-    int_vec bits = __builtin_convertvector(*(const bf16_vec_unaligned *)p, int_vec) << 16;
-    vec v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
 
 struct attention_shape {
     long num_heads, num_kv_heads, head_size, block_size, window;
@@ -66,47 +46,6 @@ struct unit {
     long rows, first, n;
     long lo[ROW_BLOCK], hi[ROW_BLOCK];
 };
-
-/* Lane j of the result is the sum of v[j]'s lanes: LANES horizontal sums by halving, pairing the
-   vectors at each level, so that it costs about two shuffles and one add per sum. */
-#if LANES == 16
-static inline vec sum_lanes(const vec *v)
-{
-    vec a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                       19, 20, 21, 22, 23) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
-                                       25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                       18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                       22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
-                                       20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                       22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                   28, 30) +
-           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                   29, 31);
-}
-#else
-static inline vec sum_lanes(const vec *v)
-{
-    vec b[4], c[2];
-    for (int i = 0; i < 4; i++)
-        b[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
-}
-#endif
 
 /* The cache rows of `count` (<= LANES) positions from `pos` on, walking the block table block by
    block; slots past `count` repeat the last row, so that a partial group reads valid memory. */
