@@ -38,8 +38,9 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-# Token panels of 1-3 vectors (16 lanes with AVX-512, 8 otherwise) and partial ones; tiles of
-# weight rows with a partial last one (33 outputs); k with and without a vector tail.
+# Token panels of 1-3 vectors (16 lanes with AVX-512, 8 otherwise) and partial ones, and with
+# AVX-512 the 6-row tiles of 4 vectors past 48 rows (49, 64, 100: 64 + 36); tiles of weight rows
+# with a partial last one (33 outputs); k with and without a vector tail.
 @pytest.mark.parametrize("rows", [1, 9, 16, 17, 40, 48, 49, 64, 100])
 @pytest.mark.parametrize("in_features", [1, 37, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
