@@ -13,7 +13,7 @@
    in rows x vecs vector registers: per k, `rows` broadcasts of a weight and `vecs` loads of
    tokens feed rows * vecs fused multiply-adds. With AVX-512 a call takes tiles of 8 rows x 3
    vectors (8 + 3 loads per 24 FMAs) up to 48 tokens, and 6 x 4 past that: 49-64 tokens in one
-   panel instead of 48 + 16 (the 16 at a third of the FMAs per load), 15-20% faster at 64 in a
+   panel instead of 48 + 16 (the 16 at a third of the FMAs per load), 12-17% faster at 56-64 in a
    same-run bench. Each weight row is streamed once per panel, and the rows of the thread's next
    tile are prefetched while this one runs (its rows are contiguous in w: a tile ahead is far
    enough to hide the memory's latency, a few cache lines ahead was not). The tile is then
