@@ -1,10 +1,12 @@
-"""What the CPU benchmarks record about the machine they ran on (their `--json` "machine")."""
+"""What the benchmarks share: the machine they ran on (their `--json` "machine"), busy cores,
+and a git worktree of a baseline commit to measure beside the current code in the same run."""
 
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,3 +35,27 @@ def busy_cores(enabled: bool = True) -> Iterator[None]:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextmanager
+def worktree(ref: str | None) -> Iterator[str | None]:
+    """A detached git worktree of `ref` (None: no baseline), removed at the end."""
+    if ref is None:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="v1e-baseline-")
+    subprocess.run(["git", "worktree", "add", "--detach", path, ref], cwd=REPO, check=True,
+                   capture_output=True)  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", path], cwd=REPO, check=True)
+
+
+def checkout_env(root: str) -> dict[str, str]:
+    """The environment that makes a child process import v1engine from the checkout at `root`.
+    Run the child with cwd=root too: `python -m` puts the working directory ahead of PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": root}

@@ -11,7 +11,12 @@ between streamed chunks after the first) and end-to-end latency, p50 and p99.
     python scripts/bench_serve.py -- --tensor-parallel-size 2 --device cpu   # server flags
 
 Unless `--base-url` is given the script starts the server itself (flags after `--` go to it) on a
-free port and stops it with SIGTERM at the end.
+free port and stops it with SIGTERM at the end. `--baseline-ref REF` also serves a git worktree of
+REF in the same run, and `--repeats N` sweeps each system N times, the order of the systems
+alternating; every figure reported is the median over the repeats:
+
+    python scripts/bench_serve.py --baseline-ref 3f118f4 --repeats 3 --concurrencies 1,16 \
+        --request-rates "" --json serve.json
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+from _bench_utils import REPO, checkout_env, worktree
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -155,10 +161,15 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     }
 
 
-def start_server(server_args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+def start_server(
+    server_args: list[str], log_path: str, root: str = REPO
+) -> tuple[subprocess.Popen, str]:
+    """`python -m v1engine.serve` of the checkout at `root`; (process, base URL)."""
     log = open(log_path, "w")
     command = [sys.executable, "-m", "v1engine.serve", "--port", "0", *server_args]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=checkout_env(root)
+    )
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and proc.poll() is None:
         with open(log_path) as f:
@@ -189,12 +200,18 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--request-rates", default="4,16", help="requests/s, comma-separated")
     parser.add_argument("--concurrencies", default="1,16,64", help="caps, comma-separated")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline-ref", default=None, help="git ref served alongside")
+    parser.add_argument("--repeats", type=int, default=1, help="sweeps per system (medians)")
     parser.add_argument("--json", default=None, help="write the results here")
     args, server_args = parser.parse_known_args()
+    if args.base_url and args.baseline_ref:
+        parser.error("--baseline-ref starts its own servers; it cannot be used with --base-url")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     return args, [a for a in server_args if a != "--"]
 
 
-def run_sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
+def run_sweep(args: argparse.Namespace, base_url: str, system: str) -> list[dict]:
     model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
     prompts = make_prompts(args.num_requests, args.input_len, args.seed)
     asyncio.run(run_load(base_url, model, prompts[:2], args, math.inf, 2))  # warm-up
@@ -204,7 +221,7 @@ def run_sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
     for rate, cap in loads:
         results, duration_s = asyncio.run(run_load(base_url, model, prompts, args, rate, cap))
         record = {
-            "system": "v1engine",
+            "system": system,
             "request_rate": "inf" if math.isinf(rate) else rate,
             "max_concurrency": cap,
             "num_requests": args.num_requests,
@@ -220,24 +237,57 @@ def run_sweep(args: argparse.Namespace, base_url: str) -> list[dict]:
     return records
 
 
+def sweep_system(
+    args: argparse.Namespace, server_args: list[str], system: str, root: str | None
+) -> list[dict]:
+    """One sweep of the server at `args.base_url`, or of one started from the checkout `root`."""
+    if root is None:
+        return run_sweep(args, args.base_url.rstrip("/"), system)
+    log_path = os.path.join(tempfile.gettempdir(), f"bench_serve-{os.getpid()}-{system}.log")
+    proc, base_url = start_server(server_args, log_path, root)
+    print(f"{system}: started the server at {base_url} (log: {log_path})", flush=True)
+    try:
+        return run_sweep(args, base_url.rstrip("/"), system)
+    finally:
+        stop_server(proc)
+
+
+def medians(runs: list[list[dict]]) -> list[dict]:
+    """Per load of a sweep, each numeric figure's median over the sweeps `runs`."""
+    merged = []
+    for records in zip(*runs):
+        record = dict(records[0])
+        for key, value in record.items():
+            values = [r[key] for r in records if r[key] is not None]
+            if isinstance(value, float) and key != "request_rate" and values:
+                record[key] = round(statistics.median(values), 3)
+        merged.append(record)
+    return merged
+
+
 def main() -> None:
     args, server_args = parse_args()
-    proc, base_url = None, args.base_url
-    log_path = os.path.join(tempfile.gettempdir(), f"bench_serve-{os.getpid()}.log")
-    if base_url is None:
-        proc, base_url = start_server(server_args, log_path)
-        print(f"started the server at {base_url} (log: {log_path})", flush=True)
-    try:
-        records = run_sweep(args, base_url.rstrip("/"))
-    finally:
-        if proc is not None:
-            stop_server(proc)
+    with worktree(args.baseline_ref) as baseline:
+        systems = {"v1engine": None if args.base_url else REPO}
+        if baseline:
+            systems = {"current": REPO, "baseline": baseline}
+        runs: dict[str, list[list[dict]]] = {name: [] for name in systems}
+        for repeat in range(args.repeats):
+            for name in list(systems) if repeat % 2 == 0 else list(systems)[::-1]:
+                runs[name].append(sweep_system(args, server_args, name, systems[name]))
+    results = [record for sweeps in runs.values() for record in medians(sweeps)]
+    if args.repeats > 1 or baseline:
+        print(f"medians over {args.repeats} sweep(s) per system:")
+        for record in results:
+            print(json.dumps(record), flush=True)
     if args.json:
         machine = {
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "server_args": server_args,
             "base_url": args.base_url,
+            "baseline_ref": args.baseline_ref,
+            "repeats": args.repeats,
         }
         try:
             import torch
@@ -246,7 +296,7 @@ def main() -> None:
         except ImportError:
             pass
         with open(args.json, "w") as f:
-            json.dump({"machine": machine, "results": records}, f, indent=2)
+            json.dump({"machine": machine, "results": results, "runs": runs}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from typing import Any
 
-from _bench_utils import busy_cores, cpu_machine_info
+from _bench_utils import REPO, busy_cores, checkout_env, cpu_machine_info, worktree
 from _serve_utils import Server
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PHASES = re.compile(r"Engine ready in ([\d.]+) s \((.*)\)")
 _LLM_SCRIPT = """
 import sys, time
@@ -51,15 +49,12 @@ def _phases(log: str) -> dict[str, float]:
     return phases
 
 
-def _env(root: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": root}
-
-
 def measure_llm(root: str, model: str, tp: int) -> dict[str, Any]:
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", _LLM_SCRIPT, model, str(tp)],
-        cwd=root, env=_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=root, env=checkout_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     ready_s = None
     for line in proc.stdout:
@@ -76,25 +71,11 @@ def measure_serve(root: str, model: str, tp: int) -> dict[str, Any]:
         log_path = os.path.join(log_dir, "serve.log")
         server = Server(
             model, log_path, ["--tensor-parallel-size", str(tp)], _TIMEOUT_S,
-            cwd=root, env=_env(root), poll_s=0.05,
+            cwd=root, env=checkout_env(root), poll_s=0.05,
         )  # fmt: skip
         server.stop()
         with open(log_path) as f:
             return {"ready_s": server.ready_s, "phases": _phases(f.read())}
-
-
-@contextmanager
-def worktree(ref: str | None):
-    if ref is None:
-        yield None
-        return
-    path = tempfile.mkdtemp(prefix="v1e-startup-baseline-")
-    subprocess.run(["git", "worktree", "add", "--detach", path, ref], cwd=_REPO, check=True,
-                   capture_output=True)  # fmt: skip
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", path], cwd=_REPO, check=True)
 
 
 def run_pass(variants: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
@@ -141,13 +122,13 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.model is None:
-        sys.path.insert(0, _REPO)
+        sys.path.insert(0, REPO)
         from v1engine.model.hf_config import default_model_path
 
         args.model = default_model_path()
     result: dict[str, Any] = {"machine": cpu_machine_info(), "args": vars(args)}
     with worktree(args.baseline_ref) as baseline:
-        variants = {"current": _REPO} | ({"baseline": baseline} if baseline else {})
+        variants = {"current": REPO} | ({"baseline": baseline} if baseline else {})
         result["quiet"] = run_pass(variants, args)
         print_table("quiet machine", result["quiet"])
         if args.busy:
