@@ -79,7 +79,8 @@ def kernel(name: str, dtype: torch.dtype | None = None):
     return kernels[name, dtype]
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
+def data_pointer(t: torch.Tensor | None) -> int | None:
+    """t's address for a C pointer argument; None (NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -105,7 +106,7 @@ def _linear(
     failed = kernel(name, x.dtype)(
         rows.data_ptr(),
         weight.data_ptr(),
-        _pointer(bias),
+        data_pointer(bias),
         out.data_ptr(),
         rows.shape[0],
         out_features,
@@ -128,9 +129,9 @@ def rms_norm(
     total = None if residual is None else torch.empty_like(x)
     kernel("rms_norm", x.dtype)(
         x.data_ptr(),
-        _pointer(residual),
+        data_pointer(residual),
         weight.contiguous().data_ptr(),
-        _pointer(total),
+        data_pointer(total),
         out.data_ptr(),
         x.numel() // hidden,
         hidden,
@@ -203,7 +204,7 @@ def paged_attention(
         value_cache.data_ptr(),
         block_table.data_ptr(),
         seq_lens.data_ptr(),
-        _pointer(query_start_loc),
+        data_pointer(query_start_loc),
         out.data_ptr(),
         seq_lens.shape[0],
         num_heads,

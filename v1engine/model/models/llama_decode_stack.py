@@ -119,7 +119,7 @@ class LlamaDecodeStack:
             (_P * groups)(*(m.block_table.data_ptr() for m in metadata)),
             (_N * groups)(*(m.block_table.stride(0) for m in metadata)),
             (_P * groups)(*(m.seq_lens.data_ptr() for m in metadata)),
-            (_P * groups)(*(_pointer(m.query_start_loc) for m in metadata)),
+            (_P * groups)(*(cpu_kernels.data_pointer(m.query_start_loc) for m in metadata)),
         )
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
@@ -164,10 +164,6 @@ class LlamaDecodeStack:
         return (_Layer * len(model.layers))(*structs)
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
     attention, mlp = layer.self_attn, layer.mlp
     return dict(
@@ -190,7 +186,7 @@ def _layer_struct(layer: LlamaDecoderLayer, weights: dict[str, torch.Tensor | No
     attn = layer.self_attn.attn
     k_cache, v_cache = attn.kv_cache
     return _Layer(
-        *(None if weights[name] is None else weights[name].data_ptr() for name in _WEIGHTS),
+        *(cpu_kernels.data_pointer(weights[name]) for name in _WEIGHTS),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         attn.kv_cache_group_index,
