@@ -38,7 +38,9 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(os.path.join(_HERE, name) for name in ("cpu_kernels.h", "cpu_vectors.h"))
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# GCC vectorizes loops 256 bits wide on AVX-512 CPUs unless told otherwise; the loops it vectorizes
+# here (softmax's exponentials, norms, SiLU) ran faster 512 wide (no effect on other ISAs).
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
 
 # The dtypes every typed kernel exists for, and the suffix of its C name (v1e_<name>_<suffix>).

@@ -5,10 +5,10 @@
    The work is cut into units of up to ROW_BLOCK consecutive query rows of one sequence, one task
    each. A unit makes three passes over the keys its rows see: the scores of every row and query
    head (keys a row does not see score -inf), an exact softmax per row and head (its maximum
-   first, no running rescale), then the probability-weighted sum of the values. Each key row is
-   read once per pass for all the unit's rows and heads, so a prefill's keys come from memory once
-   per ROW_BLOCK rows, not once per row. Positions are walked LANES at a time (16 with AVX-512, 8
-   otherwise), block by block.
+   first, no running rescale), then the weighted sum of the values, divided by the softmax's
+   total once at the end. Each key row is read once per pass for all the unit's rows and heads,
+   so a prefill's keys come from memory once per ROW_BLOCK rows, not once per row. Positions are
+   walked LANES at a time (16 with AVX-512, 8 otherwise), block by block.
 
    Head sizes that are whole vectors (every real model's: 64, 128, ...) take the vector path: for
    each row and query head, LANES keys' dot products are summed across their lanes by one shuffle
@@ -47,18 +47,31 @@ struct unit {
     long lo[ROW_BLOCK], hi[ROW_BLOCK];
 };
 
-/* The cache rows of `count` (<= LANES) positions from `pos` on, walking the block table block by
-   block; slots past `count` repeat the last row, so that a partial group reads valid memory. */
-static inline void group_rows(const char **rows, const char *cache, const int32_t *table, long pos,
-                              long count, long block_size, long row_bytes)
+/* Where a walk over the keys stands: block `block` of the table, row `offset` in it. Advanced
+   LANES positions at a time, so that only its start divides by the block size. */
+struct cursor {
+    long block, offset;
+};
+
+static inline struct cursor cursor_at(long pos, long block_size)
 {
-    long block = pos / block_size, offset = pos % block_size;
-    const char *base = cache + (long)table[block] * block_size * row_bytes;
+    return (struct cursor){pos / block_size, pos % block_size};
+}
+
+/* The cache rows of the next `count` (<= LANES) positions at *at, which it then advances past
+   them, walking the block table block by block; slots past `count` repeat the last row, so that
+   a partial group reads valid memory. */
+static inline void group_rows(const char **rows, const char *cache, const int32_t *table,
+                              struct cursor *at, long count, long block_size, long row_bytes)
+{
+    const long block_bytes = block_size * row_bytes;
+    const char *base = cache + (long)table[at->block] * block_bytes;
     for (long j = 0; j < count; j++) {
-        rows[j] = base + offset * row_bytes;
-        if (++offset == block_size && j + 1 < count) {
-            offset = 0;
-            base = cache + (long)table[++block] * block_size * row_bytes;
+        rows[j] = base + at->offset * row_bytes;
+        if (++at->offset == block_size) {
+            at->offset = 0;
+            if (j + 1 < count) base = cache + (long)table[++at->block] * block_bytes;
+            else at->block++;
         }
     }
     for (long j = count; j < LANES; j++) rows[j] = rows[count - 1];
@@ -87,33 +100,46 @@ static float maximum(const float *p, long n)
     return best;
 }
 
-/* scores [rows, H, n] -> softmax per row and head, in place (-inf scores become 0). */
-static void softmax(float *scores, long num_rows, long n)
+/* scores [rows, H, n] -> the softmax's numerators e^(score - max) per row and head, in place
+   (-inf scores become 0), and 1 / their sum per row and head in `inverse_totals`: the values pass
+   scales its sums by it once, instead of a division per score here. */
+static void softmax(float *scores, long num_rows, long n, float *inverse_totals)
 {
     for (long r = 0; r < num_rows; r++) {
         float *p = scores + r * n, top = maximum(p, n), total = 0.f;
         _Pragma("omp simd reduction(+:total)")
         for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);
-        for (long i = 0; i < n; i++) p[i] /= total;
+        inverse_totals[r] = 1.f / total;
     }
 }
 
+/* Each query head's offset in a cache row: the start of its KV head (h / G of them), computed
+   once per pass, not per group of keys (a division costs tens of cycles). */
+static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_heads, long size)
+{
+    for (long h = 0; h < num_heads; h++) offsets[h] = h / (num_heads / num_kv_heads) * size;
+}
+
 /* The vector path for head_size = VECS * LANES: `_scores` fills scores[(r * H + h) * n + i]
-   (row r, query head h, key first + i), `_values` sums the values with the softmax weights. */
+   (row r, query head h, key first + i), `_values` sums the values with the softmax weights and
+   scales the sums by the inverse totals. */
 #define VECTOR_PASSES(NAME, T, LOAD, STORE, VECS)                                              \
     static void NAME##_scores_##VECS(const T *q, const char *k_cache, const int32_t *table,    \
                                      const struct unit *u, const struct attention_shape *sh,   \
                                      float *scores)                                            \
     {                                                                                          \
-        const long H = sh->num_heads, G = H / sh->num_kv_heads, n = u->n;                      \
+        const long H = sh->num_heads, n = u->n;                                                \
         const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
+        long head_of[H];                                                                       \
+        kv_head_offsets(head_of, H, sh->num_kv_heads, VECS * LANES);                           \
         vec query[u->rows * H][VECS];                                                          \
         for (long rh = 0; rh < u->rows * H; rh++)                                              \
             for (int c = 0; c < VECS; c++) query[rh][c] = LOAD(q + (rh * VECS + c) * LANES);    \
         const char *rows[LANES];                                                               \
+        struct cursor at = cursor_at(u->first, sh->block_size);                                \
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
-            group_rows(rows, k_cache, table, u->first + i0, count, sh->block_size, row_bytes); \
+            group_rows(rows, k_cache, table, &at, count, sh->block_size, row_bytes);           \
             for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j1;                                                                   \
                 seen(u, r, i0, count, &j0, &j1);                                               \
@@ -122,10 +148,9 @@ static void softmax(float *scores, long num_rows, long n)
                     for (long j = 0; j < count; j++) s[j] = -INFINITY;                         \
                     if (j1 <= j0) continue;                                                    \
                     const vec *qh = query[r * H + h];                                          \
-                    const long head = (h / G) * VECS * LANES;                                  \
                     vec dots[LANES];                                                           \
                     _Pragma("GCC unroll 16") for (int j = 0; j < LANES; j++) {                 \
-                        const T *key = (const T *)rows[j] + head;                              \
+                        const T *key = (const T *)rows[j] + head_of[h];                        \
                         vec dot = qh[0] * LOAD(key);                                           \
                         _Pragma("GCC unroll 8") for (int c = 1; c < VECS; c++)                 \
                             dot += qh[c] * LOAD(key + c * LANES);                              \
@@ -138,46 +163,55 @@ static void softmax(float *scores, long num_rows, long n)
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,                \
-                                     const struct unit *u, const struct attention_shape *sh,   \
-                                     const float *probabilities, T *out)                       \
+    /* Not inlined: in the task's body its inner loop spilled the row pointers to the stack. */ \
+    static __attribute__((noinline)) void NAME##_values_##VECS(                                \
+        const char *v_cache, const int32_t *table, const struct unit *u,                       \
+        const struct attention_shape *sh, const float *weights, const float *inverse_totals,   \
+        T *out)                                                                                \
     {                                                                                          \
-        const long H = sh->num_heads, G = H / sh->num_kv_heads, n = u->n;                      \
+        const long H = sh->num_heads, n = u->n;                                                \
         const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
+        long head_of[H];                                                                       \
+        kv_head_offsets(head_of, H, sh->num_kv_heads, VECS * LANES);                           \
         vec acc[u->rows * H][VECS];                                                            \
         memset(acc, 0, sizeof acc);                                                            \
         const char *rows[LANES];                                                               \
+        struct cursor at = cursor_at(u->first, sh->block_size);                                \
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
-            group_rows(rows, v_cache, table, u->first + i0, count, sh->block_size, row_bytes); \
-            for (long rh = 0; rh < u->rows * H; rh++) {                                        \
+            group_rows(rows, v_cache, table, &at, count, sh->block_size, row_bytes);           \
+            for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j, j1;                                                                \
-                seen(u, rh / H, i0, count, &j0, &j1);                                          \
-                const long head = (rh % H / G) * VECS * LANES;                                 \
-                const float *p = probabilities + rh * n + i0;                                  \
-                vec even[VECS], odd[VECS]; /* two keys at a time: two chains of adds */        \
-                _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++) {                       \
-                    even[c] = acc[rh][c];                                                      \
-                    odd[c] = (vec){0};                                                         \
-                }                                                                              \
-                for (j = j0; j + 1 < j1; j += 2) {                                             \
-                    const T *a = (const T *)rows[j] + head, *b = (const T *)rows[j + 1] + head; \
+                seen(u, r, i0, count, &j0, &j1);                                               \
+                for (long h = 0; h < H; h++) {                                                 \
+                    const long rh = r * H + h, head = head_of[h];                              \
+                    const float *p = weights + rh * n + i0;                                    \
+                    vec even[VECS], odd[VECS]; /* two keys at a time: two chains of adds */    \
                     _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++) {                   \
-                        even[c] += p[j] * LOAD(a + c * LANES);                                 \
-                        odd[c] += p[j + 1] * LOAD(b + c * LANES);                              \
+                        even[c] = acc[rh][c];                                                  \
+                        odd[c] = (vec){0};                                                     \
                     }                                                                          \
-                }                                                                              \
-                if (j < j1)                                                                    \
+                    for (j = j0; j + 1 < j1; j += 2) {                                         \
+                        const T *a = (const T *)rows[j] + head;                                \
+                        const T *b = (const T *)rows[j + 1] + head;                            \
+                        _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++) {               \
+                            even[c] += p[j] * LOAD(a + c * LANES);                             \
+                            odd[c] += p[j + 1] * LOAD(b + c * LANES);                          \
+                        }                                                                      \
+                    }                                                                          \
+                    if (j < j1)                                                                \
+                        _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++)                 \
+                            even[c] += p[j] * LOAD((const T *)rows[j] + head + c * LANES);     \
                     _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++)                     \
-                        even[c] += p[j] * LOAD((const T *)rows[j] + head + c * LANES);         \
-                _Pragma("GCC unroll 8") for (int c = 0; c < VECS; c++)                         \
-                    acc[rh][c] = even[c] + odd[c];                                             \
+                        acc[rh][c] = even[c] + odd[c];                                         \
+                }                                                                              \
             }                                                                                  \
         }                                                                                      \
         for (long rh = 0; rh < u->rows * H; rh++)                                              \
             for (int c = 0; c < VECS; c++)                                                     \
                 for (int l = 0; l < LANES; l++)                                                \
-                    out[(rh * VECS + c) * LANES + l] = STORE(acc[rh][c][l]);                   \
+                    out[(rh * VECS + c) * LANES + l] =                                         \
+                        STORE(acc[rh][c][l] * inverse_totals[rh]);                             \
     }
 
 /* The plain path, any head size, in one walk over the keys per pass: with `acc` NULL it fills
@@ -191,9 +225,10 @@ static void softmax(float *scores, long num_rows, long n)
         const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads, n = u->n;   \
         const long row_bytes = sh->num_kv_heads * D * sizeof(T);                               \
         const char *rows[LANES];                                                               \
+        struct cursor at = cursor_at(u->first, sh->block_size);                                \
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
-            group_rows(rows, cache, table, u->first + i0, count, sh->block_size, row_bytes);   \
+            group_rows(rows, cache, table, &at, count, sh->block_size, row_bytes);             \
             for (long rh = 0; rh < u->rows * H; rh++) {                                        \
                 long j0, j1;                                                                   \
                 seen(u, rh / H, i0, count, &j0, &j1);                                          \
@@ -217,8 +252,8 @@ static void softmax(float *scores, long num_rows, long n)
 #define VECTOR_CASE(NAME, VECS)                                                                \
     case VECS:                                                                                 \
         NAME##_scores_##VECS(q, k_cache, table, u, sh, scores);                                \
-        softmax(scores, u->rows * sh->num_heads, u->n);                                        \
-        NAME##_values_##VECS(v_cache, table, u, sh, scores, out);                              \
+        softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
+        NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);              \
         return 0;
 
 #define PAGED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE)                                     \
@@ -236,6 +271,7 @@ static void softmax(float *scores, long num_rows, long n)
                            const int32_t *table, const struct unit *u, T *out,                 \
                            const struct attention_shape *sh, float *scores)                    \
     {                                                                                          \
+        float inverse_totals[u->rows * sh->num_heads];                                         \
         switch (sh->head_size % LANES == 0 ? sh->head_size / LANES : 0) {                      \
             VECTOR_CASE(NAME, 1)                                                               \
             VECTOR_CASE(NAME, 2)                                                               \
@@ -250,14 +286,15 @@ static void softmax(float *scores, long num_rows, long n)
         float *acc = calloc(size, sizeof(float));                                              \
         if (!acc) return 1;                                                                    \
         NAME##_plain_pass(q, k_cache, table, u, sh, scores, NULL);                             \
-        softmax(scores, u->rows * sh->num_heads, u->n);                                        \
+        softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
         NAME##_plain_pass(q, v_cache, table, u, sh, scores, acc);                              \
-        for (long i = 0; i < size; i++) out[i] = STORE(acc[i]);                                \
+        for (long i = 0; i < size; i++)                                                        \
+            out[i] = STORE(acc[i] * inverse_totals[i / sh->head_size]);                        \
         free(acc);                                                                             \
         return 0;                                                                              \
     }                                                                                          \
                                                                                                \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,      \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,       \
              const int32_t *seq_lens, const int32_t *query_start_loc, T *out, long num_seqs,   \
              long num_heads, long num_kv_heads, long head_size, long block_size,               \
              long table_stride, long window, float scale)                                      \
