@@ -27,6 +27,7 @@ from tests.worker.worker_utils import (
     run_kv_cache_handshake,
     run_requests,
     touch_kv_caches,
+    worker_huge_pages,
     worker_spin_count,
     worker_threads,
 )
@@ -155,6 +156,28 @@ def test_cpu_workers_get_disjoint_cores_and_a_fair_memory_share(hybrid_tp2):
         assert profile.budget_bytes == int(profile.total_bytes * 0.9 / 2)
         assert profile.weights_bytes > 0 and profile.activation_peak_bytes >= 0
         assert 0 <= profile.available_kv_bytes <= profile.budget_bytes - profile.weights_bytes
+
+
+def _thp_left_to_programs() -> bool:
+    """Whether the kernel gives transparent huge pages to memory a program asks them for, and
+    glibc's malloc can ask (2.35 and later)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    version = tuple(int(part) for part in glibc.split()[-1].split(".")[:2]) if glibc else (0, 0)
+    return ("[madvise]" in mode or "[always]" in mode) and version >= (2, 35)
+
+
+def test_cpu_workers_put_large_tensors_in_huge_pages(hybrid_tp2):
+    executor, _, _, _ = hybrid_tp2
+    expected = os.environ.get("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    for tunables, grown_kib in executor.collective_rpc(worker_huge_pages):
+        assert tunables == expected
+        if _thp_left_to_programs() and "GLIBC_TUNABLES" not in os.environ:
+            assert grown_kib >= 32 * 1024, "a 64 MiB tensor should sit mostly in 2 MiB pages"
 
 
 def _num_blocks(path: str, kv_cache_memory_bytes: int) -> int:

@@ -134,6 +134,22 @@ def worker_spin_count(worker: Any) -> str | None:
     return os.environ.get("GOMP_SPINCOUNT")
 
 
+def worker_huge_pages(worker: Any) -> tuple[str | None, int]:
+    """The worker's GLIBC_TUNABLES, and by how many KiB its transparent huge pages grow when it
+    allocates and fills a 64 MiB tensor (glibc maps it, past the mmap threshold)."""
+    before = anon_huge_kib()
+    tensor = torch.ones(16 * 2**20)
+    grown = anon_huge_kib() - before
+    del tensor
+    return os.environ.get("GLIBC_TUNABLES"), grown
+
+
+def anon_huge_kib() -> int:
+    """This process's anonymous memory in transparent huge pages, in KiB."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
 def expected_spin_count() -> str | None:
     """What worker_spin_count gives in a worker started from this process: OpenMP barriers spin
     briefly, then sleep (worker_proc.worker_env_defaults says why), unless the user chose."""

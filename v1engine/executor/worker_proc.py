@@ -45,12 +45,23 @@ ORPHAN_CLEAN_UP_GRACE_S = 1.0
 # (GOMP_SPINCOUNT=300000 restores libgomp's default, for a machine of one's own).
 _WORKER_SPIN_COUNT = "10000"
 
+# glibc's malloc (2.35 and later) asks the kernel for transparent huge pages on the memory it
+# maps, where the kernel leaves them to the program (THP "madvise", Debian's and many distros'
+# default): a worker's weights and KV cache then sit in 2 MiB pages, and a decode step, which
+# streams every weight and jumps between KV blocks, walks a page table 512x less often (in a
+# VM, each walk is two). Without and with, alternating in one window (LLM.generate, default
+# model, float32, 2 runs each): batch-1 decode 29.3 -> 31.1 tok/s, bench_throughput's 64
+# requests 176 -> 185 tok/s. Older glibc and other C libraries ignore the variable; a user's own
+# GLIBC_TUNABLES wins whole.
+_WORKER_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
+
 
 def worker_env_defaults() -> dict[str, str]:
-    """The environment a worker process starts with, unless this one already sets it."""
-    if "OMP_WAIT_POLICY" in os.environ:
-        return {}
-    return {"GOMP_SPINCOUNT": _WORKER_SPIN_COUNT}
+    """The environment a worker process starts with, for the names this one does not set."""
+    defaults = {"GLIBC_TUNABLES": _WORKER_GLIBC_TUNABLES}
+    if "OMP_WAIT_POLICY" not in os.environ:
+        defaults["GOMP_SPINCOUNT"] = _WORKER_SPIN_COUNT
+    return defaults
 
 
 @dataclass(frozen=True)
