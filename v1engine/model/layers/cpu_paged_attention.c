@@ -38,6 +38,10 @@
 struct attention_shape {
     long num_heads, num_kv_heads, head_size, block_size, window;
     float scale;
+    /* [num_heads]: where query head h's KV head (h / (num_heads / num_kv_heads)) starts in a
+       cache row, in elements; computed once per call (a division costs tens of cycles, and the
+       passes would otherwise divide once per group of keys) */
+    const long *head_offset;
 };
 
 /* One unit: `rows` query rows; the keys first .. first + n - 1 that any of them sees; row r sees
@@ -113,13 +117,6 @@ static void softmax(float *scores, long num_rows, long n, float *inverse_totals)
     }
 }
 
-/* Each query head's offset in a cache row: the start of its KV head (h / G of them), computed
-   once per pass, not per group of keys (a division costs tens of cycles). */
-static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_heads, long size)
-{
-    for (long h = 0; h < num_heads; h++) offsets[h] = h / (num_heads / num_kv_heads) * size;
-}
-
 /* The vector path for head_size = VECS * LANES: `_scores` fills scores[(r * H + h) * n + i]
    (row r, query head h, key first + i), `_values` sums the values with the softmax weights and
    scales the sums by the inverse totals. */
@@ -130,8 +127,7 @@ static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_he
     {                                                                                          \
         const long H = sh->num_heads, n = u->n;                                                \
         const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
-        long head_of[H];                                                                       \
-        kv_head_offsets(head_of, H, sh->num_kv_heads, VECS * LANES);                           \
+        const long *head_of = sh->head_offset;                                                 \
         vec query[u->rows * H][VECS];                                                          \
         for (long rh = 0; rh < u->rows * H; rh++)                                              \
             for (int c = 0; c < VECS; c++) query[rh][c] = LOAD(q + (rh * VECS + c) * LANES);    \
@@ -171,8 +167,7 @@ static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_he
     {                                                                                          \
         const long H = sh->num_heads, n = u->n;                                                \
         const long row_bytes = sh->num_kv_heads * VECS * LANES * sizeof(T);                    \
-        long head_of[H];                                                                       \
-        kv_head_offsets(head_of, H, sh->num_kv_heads, VECS * LANES);                           \
+        const long *head_of = sh->head_offset;                                                 \
         vec acc[u->rows * H][VECS];                                                            \
         memset(acc, 0, sizeof acc);                                                            \
         const char *rows[LANES];                                                               \
@@ -222,7 +217,7 @@ static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_he
                                   const struct unit *u, const struct attention_shape *sh,      \
                                   float *scores, float *acc)                                   \
     {                                                                                          \
-        const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads, n = u->n;   \
+        const long H = sh->num_heads, D = sh->head_size, n = u->n;                             \
         const long row_bytes = sh->num_kv_heads * D * sizeof(T);                               \
         const char *rows[LANES];                                                               \
         struct cursor at = cursor_at(u->first, sh->block_size);                                \
@@ -234,7 +229,7 @@ static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_he
                 seen(u, rh / H, i0, count, &j0, &j1);                                          \
                 float *score = scores + rh * n + i0;                                           \
                 for (long j = 0; j < count; j++) {                                             \
-                    const T *head = (const T *)rows[j] + (rh % H / G) * D;                     \
+                    const T *head = (const T *)rows[j] + sh->head_offset[rh % H];              \
                     if (acc) {                                                                 \
                         if (j < j0 || j >= j1) continue;                                       \
                         for (long d = 0; d < D; d++) acc[rh * D + d] += score[j] * LOAD(head[d]); \
@@ -299,8 +294,11 @@ static inline void kv_head_offsets(long *offsets, long num_heads, long num_kv_he
              long num_heads, long num_kv_heads, long head_size, long block_size,               \
              long table_stride, long window, float scale)                                      \
     {                                                                                          \
+        long head_offset[num_heads];                                                           \
+        for (long h = 0; h < num_heads; h++)                                                   \
+            head_offset[h] = h / (num_heads / num_kv_heads) * head_size;                       \
         const struct attention_shape sh = {num_heads, num_kv_heads, head_size, block_size,     \
-                                           window, scale};                                     \
+                                           window, scale, head_offset};                        \
         long num_units;                                                                        \
         long *units = plan_units(query_start_loc, num_seqs, &num_units);                       \
         if (!units) return 1;                                                                  \
