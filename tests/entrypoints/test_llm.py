@@ -183,6 +183,9 @@ from tests.entrypoints.llm_utils import GREEDY, PROMPTS, all_blocks_free, make_l
 from v1engine.sampling_params import SamplingParams
 
 if __name__ == "__main__":
+    # As in a terminal: Python leaves SIGINT ignored when its parent did (a CI job started in
+    # the background of a non-interactive shell), and then Ctrl-C would never arrive here.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     worker_cls = "tests.entrypoints.openai.faulty_worker.SlowWorker"
     with make_llm(sys.argv[1], tensor_parallel_size=1, worker_cls=worker_cls) as llm:
         before = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
