@@ -7,7 +7,8 @@
    tokens instead: x is packed once per call into panels of up to `vecs` * LANES tokens, k-major
    ([K][panel width], zero padded), so that one vector load gives one k for LANES tokens. Both
    threads pack, 16 x 16 blocks transposed in registers (packed by one thread with scalar stores,
-   the copy was ~12% of a 64-token call while the other thread spun; now 5-7% faster). Each
+   the copy was ~12% of a 64-token call while the other thread spun; a step's matmuls are now 3-7%
+   faster at 1-64 tokens). Each
    task takes `rows` weight rows (outputs) and, for every panel, accumulates
 
        acc[i][c] += W[n + i, k] * xp[k][c * LANES .. c * LANES + LANES - 1]     for k = 0 .. K-1
