@@ -14,6 +14,11 @@ kernel in alternating order, `--repeats` times `--calls` calls; the table gives 
 per call, the weight bytes read per second (what bounds decode) and GFLOP/s (what bounds prefill).
 `cpu_gemv` runs only up to `--gemv-max-tokens` rows (default 16: it is built for a few),
 `cpu_gemm` up to `--gemm-max-tokens` (default 128).
+
+`--baseline-ref REF` also builds our two kernels from git REF's C sources and from the working
+tree's, with the library's flags, and measures both builds in the same alternating rounds
+(`cpu_gemv@tree` against `cpu_gemv@REF`, ...); each row then says whether the two builds gave
+the same bits.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -58,7 +64,29 @@ def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
     limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": args.gemm_max_tokens}
     if args.dtype != "float32":
         limits["cpu_gemm"] = 0  # float32 only
-    return [k for k in KERNELS if tokens <= limits.get(k, tokens)]
+    return [k for k in KERNELS if tokens <= limits.get(k.split("@")[0], tokens)]
+
+
+def add_builds(args: argparse.Namespace, workdir: str) -> None:
+    """Registers our kernels built from the working tree and from `--baseline-ref`."""
+    from _kernel_builds import build
+
+    dtype = getattr(torch, args.dtype)
+    for label, ref in (("tree", None), (args.baseline_ref, args.baseline_ref)):
+        for name, fn in build(ref, dtype, workdir).items():
+            KERNELS[f"{name}@{label}"] = fn
+
+
+def same_bits(row: dict, x: torch.Tensor, weight: torch.Tensor, kernels: list[str], ref) -> None:
+    """row["same_bits"][kernel]: whether the tree's build and `ref`'s agree bit for bit."""
+    row["same_bits"] = {}
+    with torch.inference_mode():
+        for name in ("cpu_gemv", "cpu_gemm"):
+            tree, base = f"{name}@tree", f"{name}@{ref}"
+            if tree in kernels and base in kernels:
+                row["same_bits"][name] = torch.equal(
+                    KERNELS[tree](x, weight), KERNELS[base](x, weight)
+                )
 
 
 def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> float:
@@ -82,6 +110,7 @@ def measure_shape(args, name: str, in_features: int, out_features: int, tokens: 
             for kernel in kernels[:: 1 if repeat % 2 == 0 else -1]:
                 times[kernel].append(time_calls(KERNELS[kernel], x, weights, args.calls))
     row = {"shape": name, "tokens": tokens, "in": in_features, "out": out_features}
+    same_bits(row, x, weights[0], kernels, args.baseline_ref)
     for kernel, samples in times.items():
         median = statistics.median(samples)
         row[kernel] = {
@@ -115,11 +144,21 @@ def main() -> None:
     p.add_argument("--gemv-max-tokens", type=int, default=16)
     p.add_argument("--gemm-max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--baseline-ref", default=None, help="git ref whose kernels are measured too")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels did not build here (see the warning above)")
     torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench_gemm-") as workdir:
+        if args.baseline_ref:
+            add_builds(args, workdir)
+        rows = measure_all(args)
+    if args.json:
+        write_json(args, rows)
+
+
+def measure_all(args: argparse.Namespace) -> list[dict]:
     rows = []
     print(f"{args.dtype}, {args.threads} threads; per kernel: us per call, weight GB/s, GFLOP/s")
     for tokens in args.tokens:
@@ -131,24 +170,28 @@ def main() -> None:
                 for k, v in row.items()
                 if k in KERNELS
             ]
-            print(f"{name:>13} tokens={tokens:5d}: " + " | ".join(cells), flush=True)
+            same = " ".join(f"{k} same bits: {v}" for k, v in row["same_bits"].items())
+            print(f"{name:>13} tokens={tokens:5d}: " + " | ".join(cells) + f" {same}", flush=True)
         step = step_sum(rows[-len(SHAPES) :])
         rows.append(step)
         cells = [f"{k} {v['median_ms']:8.1f} ms" for k, v in step.items() if k in KERNELS]
         print(f"{'SmolLM2 step':>13} tokens={tokens:5d}: " + " | ".join(cells), flush=True)
-    if args.json:
-        machine = {
-            "cores": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        }
-        with open(args.json, "w") as f:
-            json.dump(
-                {"machine": machine, "dtype": args.dtype, "threads": args.threads, "results": rows},
-                f,
-                indent=2,
-            )
+    return rows
+
+
+def write_json(args: argparse.Namespace, rows: list[dict]) -> None:
+    machine = {
+        "cores": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    with open(args.json, "w") as f:
+        json.dump(
+            {"machine": machine, "dtype": args.dtype, "threads": args.threads, "results": rows},
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":
