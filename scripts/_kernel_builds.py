@@ -1,12 +1,12 @@
 """The CPU matmul kernels built from two trees, for `bench_gemm.py --baseline-ref`: the working
-tree's C sources and a git ref's, compiled with the library's own flags into a temporary folder
-and called through the same thin wrapper, so the two builds differ in nothing but their sources."""
+tree's library (as every process loads it) and one compiled the same way from a git ref's C
+sources into a temporary folder, both called through the same thin wrapper, so the two builds
+differ in nothing but their sources."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -19,17 +19,14 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYERS = os.path.relpath(os.path.dirname(cpu_kernel_library.__file__), _REPO)
 
 
-def _sources(ref: str | None, into: str) -> list[str]:
-    """The library's files from the working tree (ref None) or git `ref`, copied into `into`."""
+def _sources(ref: str, into: str) -> list[str]:
+    """The library's files at git `ref`, written into `into`; returns the C sources' paths."""
     names = [
         os.path.basename(p) for p in (*cpu_kernel_library.SOURCES, *cpu_kernel_library.HEADERS)
     ]
     for name in names:
-        if ref is None:
-            shutil.copy(os.path.join(_REPO, _LAYERS, name), os.path.join(into, name))
-            continue
         shown = subprocess.run(
-            ["git", "-C", _REPO, "show", f"{ref}:{_LAYERS}/{name}"], capture_output=True
+            ["git", "-C", _REPO, "show", f"{ref}:{_LAYERS}/{name}"], capture_output=True, timeout=60
         )
         if shown.returncode != 0:
             raise SystemExit(f"--baseline-ref {ref}: no {_LAYERS}/{name} there ({shown.stderr!r})")
@@ -52,19 +49,17 @@ def _wrap(fn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
 
 def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Callable]:
-    """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) built from `ref`'s sources."""
-    folder = tempfile.mkdtemp(dir=workdir)
-    library = os.path.join(folder, "kernels.so")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    subprocess.run(
-        [compiler, *cpu_kernel_library.CFLAGS, *_sources(ref, folder), "-lm", "-o", library],
-        check=True,
-        timeout=cpu_kernel_library.COMPILE_TIMEOUT_S,
-    )
+    """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) built from `ref`'s sources
+    (None: the working tree's, the library every process already loads)."""
+    if ref is None:
+        library = cpu_kernel_library.build_library()
+    else:
+        folder = tempfile.mkdtemp(dir=workdir)
+        library = os.path.join(folder, "kernels.so")
+        cpu_kernel_library.compile_library(folder, library, tuple(_sources(ref, folder)))
     lib = ctypes.CDLL(library)
-    kernels = {
-        "cpu_gemv": _wrap(lib.v1e_gemv_bf16 if dtype == torch.bfloat16 else lib.v1e_gemv_f32)
-    }
+    gemv = lib.v1e_gemv_bf16 if dtype == torch.bfloat16 else lib.v1e_gemv_f32
+    kernels = {"cpu_gemv": _wrap(gemv)}
     if dtype == torch.float32:
         kernels["cpu_gemm"] = _wrap(lib.v1e_gemm_f32)
     return kernels

@@ -93,11 +93,12 @@ def build_library(cache_dir: str | None = None) -> str:
     root = os.path.join(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR), "kernels")
     path = os.path.join(root, f"cpu_kernels-{digest.hexdigest()[:16]}.so")
     if not os.path.exists(path):
-        _compile(root, path)
+        compile_library(root, path)
     return path
 
 
-def _compile(root: str, path: str) -> None:
+def compile_library(root: str, path: str, sources: tuple[str, ...] = SOURCES) -> None:
+    """Compiles `sources` (by default this package's) with CFLAGS into `path`, inside `root`."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc to get the faster decode kernels)")
@@ -108,13 +109,13 @@ def _compile(root: str, path: str) -> None:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, *SOURCES, "-lm", "-o", temp],
+            [compiler, *CFLAGS, *sources, "-lm", "-o", temp],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed to build {SOURCES}:\n{result.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} failed to build {sources}:\n{result.stderr[-2000:]}")
         os.replace(temp, path)
         logger.info("Compiled the CPU decode kernels into %s", path)
     finally:
