@@ -22,6 +22,18 @@ def cpu_machine_info() -> dict:
     }
 
 
+def cuda_machine_info() -> dict:
+    import torch
+
+    return {
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
 @contextmanager
 def busy_cores(enabled: bool = True) -> Iterator[None]:
     """One busy process (`yes > /dev/null`) per core this process may use, while inside."""

@@ -6,6 +6,8 @@ transformers gets its best honest shape: requests sorted by output length and ge
 left-padded batches, so padding waste is small; only the requested output tokens count for either
 system. Same weights (the default SmolLM2 GGUF, dequantized), same dtype, same thread count. The
 prefix cache is emptied before each v1engine run, so no repeat reuses an earlier one's prefill.
+`--device cuda` runs both systems on the first GPU (v1engine eager, transformers' default
+attention), timing until the last token is on the host.
 
     python scripts/bench_throughput.py --num-requests 64 --repeats 3 --json throughput.json
 """
@@ -21,7 +23,7 @@ import time
 from typing import Any
 
 import torch
-from _bench_utils import cpu_machine_info
+from _bench_utils import cpu_machine_info, cuda_machine_info
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -53,6 +55,7 @@ def run_v1engine(llm: Any, requests: list[tuple[list[int], int]]) -> float:
 
 def run_transformers(model: Any, requests: list[tuple[list[int], int]], batch_size: int) -> float:
     ordered = sorted(requests, key=lambda r: r[1])
+    device = model.device
     start = time.perf_counter()
     for i in range(0, len(ordered), batch_size):
         batch = ordered[i : i + batch_size]
@@ -64,21 +67,22 @@ def run_transformers(model: Any, requests: list[tuple[list[int], int]], batch_si
             mask[row, width - len(prompt) :] = 1
         max_new = max(n for _, n in batch)
         with torch.inference_mode():
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=False,
                 pad_token_id=0,
             )
+            out.cpu()  # the last token is on the host, as v1engine's are
     return time.perf_counter() - start
 
 
-def load_transformers_model(checkpoint: str, dtype: torch.dtype) -> Any:
+def load_transformers_model(checkpoint: str, dtype: torch.dtype, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(device)
     model.generation_config.eos_token_id = None  # every request runs to its length
     return model
 
@@ -91,8 +95,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     checkpoint = prepare_checkpoint(model_path)
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    llm = LLM(model_path, device="cpu", dtype=args.dtype, max_model_len=args.max_model_len)
-    hf_model = load_transformers_model(checkpoint, dtype)
+    llm = LLM(model_path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    hf_model = load_transformers_model(checkpoint, dtype, args.device)
     requests = make_requests(args, hf_model.config.vocab_size)
     output_tokens = sum(n for _, n in requests)
     times: dict[str, list[float]] = {"v1engine": [], "transformers": []}
@@ -120,6 +124,7 @@ def _record(system: str, seconds: list[float], output_tokens: int, args) -> dict
         "output_len_range": [args.min_output_len, args.max_output_len],
         "output_tokens": output_tokens,
         "dtype": args.dtype,
+        "device": args.device,
         "threads": args.threads,
         "repeats": len(seconds),
         "median_s": round(median_s, 3),
@@ -138,6 +143,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     # 32 was transformers' fastest of 16, 32 and 64 on the 2-core CPU box (54 s vs 57 s and 60 s).
     p.add_argument("--hf-batch-size", type=int, default=32)
@@ -159,7 +165,7 @@ def main() -> None:
         )
     print(f"v1engine / transformers = {ratio:.2f}x")
     if args.json:
-        machine = cpu_machine_info()
+        machine = cpu_machine_info() if args.device == "cpu" else cuda_machine_info()
         with open(args.json, "w") as f:
             json.dump(
                 {"machine": machine, "results": results, "ratio": round(ratio, 3)}, f, indent=2

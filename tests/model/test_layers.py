@@ -125,3 +125,17 @@ def test_rotary_tables_are_float64_cos_and_sin_rounded_to_float32():
     angles = torch.cat((angles, angles), dim=-1).double()
     assert torch.equal(rope.cos_cache, angles.cos().float())
     assert torch.equal(rope.sin_cache, angles.sin().float())
+
+
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+def test_rotary_tables_land_on_the_device_the_model_is_built_under(rope_type):
+    # The loader builds models under `with torch.device("cuda")`: the tables are computed on the
+    # host and only then moved (the meta device stands in for CUDA here: it cannot go to numpy
+    # either, which is how the CUDA path first failed on a GPU).
+    params = {"rope_type": rope_type, "rope_theta": 500000.0, "factor": 8.0}
+    params |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    params |= {"original_max_position_embeddings": 64}
+    with torch.device("meta"):
+        rope = RotaryEmbedding(64, 128, params)
+    assert rope.cos_cache.device.type == "meta" and rope.sin_cache.device.type == "meta"
+    assert rope.cos_cache.shape == (128, 64)

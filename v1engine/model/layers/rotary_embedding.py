@@ -73,12 +73,15 @@ class RotaryEmbedding(nn.Module):
             )
         self.head_size = head_size
         base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float) / head_size))
+        # The tables are computed on the host (numpy below) whatever device the model is built
+        # under (`with torch.device("cuda")` in the loader), and only the result goes there.
+        exponents = torch.arange(0, head_size, 2, dtype=torch.float, device="cpu") / head_size
+        inv_freq = 1.0 / (base**exponents)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
-        positions = torch.arange(max_position, dtype=torch.float)
+        positions = torch.arange(max_position, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_size // 2]
         emb = torch.cat((freqs, freqs), dim=-1).numpy()
         # Not persistent: derived from the config, never part of a checkpoint.
@@ -115,4 +118,5 @@ def _float32_of(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> 
     float32 cos/sin (MKL's vector math) came out up to 1.5e-4 off in one of its threads' halves of
     the table, in about one worker process in eight, so greedy tokens could change between two
     runs of the same engine. Rounded float64 values are the float32 values to within an ulp."""
-    return torch.from_numpy(function(x.astype(np.float64)).astype(np.float32))
+    # as_tensor, unlike from_numpy, honours the default device the model is being built under.
+    return torch.as_tensor(function(x.astype(np.float64)).astype(np.float32))
