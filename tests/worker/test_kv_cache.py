@@ -213,6 +213,31 @@ def test_available_memory_without_override_is_measured(hybrid_path):
     assert profile.non_torch_bytes > 50 << 20
 
 
+def test_cpu_profile_runs_a_smaller_step_and_scales_each_stage(hybrid_path):
+    # The whole step here: 512 tokens over 64 requests. With a 128-token limit the profile runs
+    # 8 requests of 16 tokens, and scales the forward by tokens and the sampler by rows.
+    config = make_engine_config(
+        hybrid_path, max_model_len=64, max_num_seqs=64, max_num_batched_tokens=512
+    )
+    executor = UniProcExecutor(config)
+    try:
+        runner = executor.worker.model_runner
+        ran, scales = [], []
+        dummy_run = runner._dummy_run
+
+        def recording_dummy_run(query_lens, after_forward=None):
+            ran.append(list(query_lens))
+            dummy_run(query_lens, after_forward)
+
+        runner._dummy_run = recording_dummy_run
+        runner.profile_run(128, scales.append)
+        runner.profile_run(None, scales.append)
+    finally:
+        executor.shutdown()
+    assert ran == [[16] * 8, [8] * 64]
+    assert scales == [512 / 128, 64 / 8, 1.0, 1.0]
+
+
 def test_bfloat16_kv_cache_with_float32_model(hybrid_path):
     config = make_engine_config(hybrid_path)
     config = dataclasses.replace(

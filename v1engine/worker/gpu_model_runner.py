@@ -60,6 +60,9 @@ logger = init_logger(__name__)
 
 # Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
 _WARM_UP_NUM_DECODES = 4
+# A profiling step cut to a token limit keeps requests at least this long: 128 one-token
+# requests made the CPU profile twice as slow (an attention call each) and its sampler 18x.
+PROFILE_MIN_QUERY_LEN = 16
 
 
 class GPUModelRunner:
@@ -125,20 +128,29 @@ class GPUModelRunner:
         return _spread(num_tokens, min(self.max_num_reqs, num_tokens))
 
     def profile_run(
-        self, token_limit: int | None = None, after_forward: Callable[[float], None] | None = None
+        self,
+        token_limit: int | None = None,
+        after_stage: Callable[[float], None] | None = None,
     ) -> None:
         """The largest step the scheduler may send, without KV cache: a forward over
         `max_num_batched_tokens` tokens in `max_num_seqs` requests, then the sampler with every
-        stage on over one row per request. With `token_limit`, a forward of at most that many
-        tokens stands in for the largest one; `after_forward(scale)` is called between the two
-        with how many times more tokens the largest forward has (1.0 when it ran whole)."""
+        stage on over one row per request. With `token_limit`, a smaller step stands in for it:
+        at most that many tokens, in requests of at least `PROFILE_MIN_QUERY_LEN` tokens (each
+        request costs the forward an attention call and the sampler a [vocab] row).
+        `after_stage(scale)` is called after the forward, then after the sampler, with how many
+        times more tokens, then rows, the largest step has (1.0 when it ran whole)."""
         query_lens = self._profile_query_lens()
-        num_tokens = sum(query_lens)
-        if token_limit is not None and num_tokens > token_limit:
-            query_lens = _spread(token_limit, min(len(query_lens), token_limit))
-        scale = num_tokens / sum(query_lens)
-        callback = None if after_forward is None else (lambda: after_forward(scale))
-        self._dummy_run(query_lens, callback)
+        run_lens = query_lens
+        if token_limit is not None and sum(query_lens) > token_limit:
+            num_reqs = min(len(query_lens), max(1, token_limit // PROFILE_MIN_QUERY_LEN))
+            run_lens = _spread(token_limit, num_reqs)
+        token_scale = sum(query_lens) / sum(run_lens)
+        row_scale = len(query_lens) / len(run_lens)
+        if after_stage is None:
+            self._dummy_run(run_lens)
+        else:
+            self._dummy_run(run_lens, lambda: after_stage(token_scale))
+            after_stage(row_scale)
 
     @torch.inference_mode()
     def _dummy_run(

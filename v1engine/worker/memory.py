@@ -8,14 +8,15 @@ CPU: the host's memory (the cgroup limit when lower) is shared fairly by the loc
 budget = total x gpu_memory_utilization / world_size; used = this process's peak resident set
 during the profiling run (the kernel's high-water mark, VmHWM, reset just before it through
 /proc/self/clear_refs), which covers the interpreter, the libraries, the weights and the
-activations. The CPU profiles a forward of at most `CPU_PROFILE_TOKENS` tokens and scales the
-activations it measured to the largest step (for the default model a full 2048-token forward
-took 3 s of start-up, 512 tokens 1.0 s, 128 tokens 0.26 s, and the scaled peaks agreed within
-12%): every activation of the forward grows at most linearly with the tokens (prefill attention
-never holds a [tokens, tokens] matrix), so the scaled figure is an upper bound. The sampler,
-whose rows do not grow with the tokens, is measured as it is. The result is also capped at
-this worker's share of the memory free right now, so other programs on the host are not pushed
-out as the cache's pages are committed.
+activations. The CPU profiles a smaller step, a forward of at most `CPU_PROFILE_TOKENS` tokens
+in requests of at least 16 tokens and the sampler over one row per request, and scales what each
+stage grew to the largest step: the forward's by tokens, the sampler's by rows. Every
+activation of the forward grows at most linearly with the tokens (prefill attention never holds
+a [tokens, tokens] matrix), and every tensor of the sampler is [rows, vocab] or smaller, so the
+scaled figure is an upper bound. For the default model the whole step (2048 tokens, 128 rows)
+took 3.0 s of start-up and grew 449-544 MiB; the smaller one takes 0.2 s and gives ~550 MiB.
+The result is also capped at this worker's share of the memory free right now, so other
+programs on the host are not pushed out as the cache's pages are committed.
 
 Available = budget - used, never below 0 (the core then explains what to change).
 """
@@ -112,20 +113,23 @@ def profile_cpu(
     utilization: float,
     world_size: int,
 ) -> MemoryProfile:
-    """Runs `run(after_forward)` (the profiling step, which calls `after_forward(scale)` between
-    its forward and its sampler) and measures this worker's CPU memory around it. The forward's
-    peak is scaled (see the module doc); the sampler's, whose rows do not grow with tokens, not."""
+    """Runs `run(after_stage)` (the profiling step, which calls `after_stage(scale)` after its
+    forward and after its sampler) and measures this worker's CPU memory around it. Each stage's
+    growth is scaled to the largest step (see the module doc), and the two are added: freed
+    activations are not reliably reused by the sampler's allocations (a whole 2048-token step
+    grew 116 MiB in the forward, then 366 MiB more in the sampler)."""
     rss_before = current_rss_bytes()
-    forward_peak = 0
+    stage_start = rss_before
+    activation_peak = 0
 
-    def after_forward(scale: float) -> None:
-        nonlocal forward_peak
-        forward_peak = int((max(peak_rss_bytes(), rss_before) - rss_before) * scale)
+    def after_stage(scale: float) -> None:
+        nonlocal stage_start, activation_peak
+        activation_peak += int(max(0, peak_rss_bytes() - stage_start) * scale)
+        stage_start = current_rss_bytes()
         reset_peak_rss()
 
     reset_peak_rss()
-    run(after_forward)
-    activation_peak = max(forward_peak, max(peak_rss_bytes(), rss_before) - rss_before)
+    run(after_stage)
     peak = rss_before + activation_peak
     total = host_memory_bytes()
     budget = int(total * utilization / world_size)
