@@ -25,6 +25,10 @@ busy/quiet ratio of the step time.
 
 Hooks on the model's leaf modules cost a few microseconds each, so the worker's forward here is
 a little slower than without them; the step totals are what to compare between commits.
+
+`--device cuda` profiles the GPU path. Kernels run asynchronously there, so each row is the host
+time spent launching that phase; the GPU catches up where the sampler copies its tokens to the
+host ("sample"), and a step whose rows add up to its total is bound by the host, not the GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from _bench_utils import busy_cores, cpu_machine_info
+from _bench_utils import busy_cores, cpu_machine_info, cuda_machine_info
 from _profiling_worker import LEAF_LABELS
 
 from v1engine import LLM, SamplingParams
@@ -174,6 +178,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="override the worker's threads")
@@ -192,6 +197,7 @@ def main() -> None:
         args.model,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=max(batch_sizes),
         worker_cls="_profiling_worker.ProfilingWorker",
         # The phases are split per step, so steps run one after the other here.
@@ -213,7 +219,8 @@ def main() -> None:
         llm.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "machine": cpu_machine_info(), "results": results}, f)
+            machine = cpu_machine_info() if args.device == "cpu" else cuda_machine_info()
+            json.dump({"args": vars(args), "machine": machine, "results": results}, f)
 
 
 if __name__ == "__main__":
