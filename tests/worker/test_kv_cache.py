@@ -232,10 +232,12 @@ def test_cpu_profile_runs_a_smaller_step_and_scales_each_stage(hybrid_path):
         runner._dummy_run = recording_dummy_run
         runner.profile_run(128, scales.append)
         runner.profile_run(None, scales.append)
+        runner.max_model_len = 8  # no request of the smaller step may be longer
+        runner.profile_run(32, scales.append)
     finally:
         executor.shutdown()
-    assert ran == [[16] * 8, [8] * 64]
-    assert scales == [512 / 128, 64 / 8, 1.0, 1.0]
+    assert ran == [[16] * 8, [8] * 64, [8] * 4]
+    assert scales == [512 / 128, 64 / 8, 1.0, 1.0, 512 / 32, 64 / 4]
 
 
 def test_bfloat16_kv_cache_with_float32_model(hybrid_path):

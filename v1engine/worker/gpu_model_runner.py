@@ -143,6 +143,7 @@ class GPUModelRunner:
         run_lens = query_lens
         if token_limit is not None and sum(query_lens) > token_limit:
             num_reqs = min(len(query_lens), max(1, token_limit // PROFILE_MIN_QUERY_LEN))
+            num_reqs = max(num_reqs, -(-token_limit // self.max_model_len))  # none too long
             run_lens = _spread(token_limit, num_reqs)
         token_scale = sum(query_lens) / sum(run_lens)
         row_scale = len(query_lens) / len(run_lens)
