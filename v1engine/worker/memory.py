@@ -14,7 +14,7 @@ stage grew to the largest step: the forward's by tokens, the sampler's by rows. 
 activation of the forward grows at most linearly with the tokens (prefill attention never holds
 a [tokens, tokens] matrix), and every tensor of the sampler is [rows, vocab] or smaller, so the
 scaled figure is an upper bound. For the default model the whole step (2048 tokens, 128 rows)
-took 3.0 s of start-up and grew 449-544 MiB; the smaller one takes 0.2 s and gives ~550 MiB.
+took 3.0 s of start-up and grew 449-544 MiB; the smaller one took 0.26 s and gave 565-590 MiB.
 The result is also capped at this worker's share of the memory free right now, so other
 programs on the host are not pushed out as the cache's pages are committed.
 
