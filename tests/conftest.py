@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 
-from tests.timeouts import scaled  # noqa: E402
+import torch  # it does not import triton
 
-# Triton kernels run on CPU only under the interpreter, and it must be set before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.timeouts import scaled
+
+# Triton runs CPU tensors only under its interpreter, which must be set before triton loads. With
+# a GPU the compiled kernels are what to test: the interpreter is then off unless asked for, and
+# the tests that give Triton CPU tensors skip (tests/model/test_triton_attention.py).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 # pytest-timeout's per-test limit, scaled with every other limit (an explicit --timeout wins).
 os.environ.setdefault("PYTEST_TIMEOUT", str(scaled(300)))
 
@@ -110,8 +114,6 @@ def no_leaks(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

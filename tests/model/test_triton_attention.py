@@ -1,7 +1,8 @@
 """Triton paged attention against two oracles: a naive dense attention over each request's
 unpaged K/V (defined here) and the torch backend over the same paged cache.
 
-On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest), so shapes stay tiny. The
+On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest where there is no GPU), so
+shapes stay tiny; with the interpreter off (a GPU machine) the tests on CPU tensors skip. The
 `gpu` test repeats the comparison at model-like shapes on a real device.
 
 Tolerances (max |triton - oracle| per element, inputs ~ N(0, 1), outputs are convex combinations
@@ -12,6 +13,7 @@ relative). Against the torch backend, which also rounds in the input dtype, the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -26,6 +28,12 @@ from tests.model.paged_batch import (
 from v1engine.model.layers import torch_attention
 from v1engine.model.layers import triton_attention as ta
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata, get_attention_backend
+
+# Compiled Triton cannot read CPU tensors: these tests need the interpreter.
+on_cpu_tensors = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton runs CPU tensors only with TRITON_INTERPRET=1 (the gpu tests cover the GPU)",
+)
 
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -131,6 +139,7 @@ _CASES = {
 }
 
 
+@on_cpu_tensors
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", list(_CASES))
 def test_paged_attention_matches_references(case: str, dtype: torch.dtype) -> None:
@@ -139,6 +148,7 @@ def test_paged_attention_matches_references(case: str, dtype: torch.dtype) -> No
     _check(batch, num_heads, dtype)
 
 
+@on_cpu_tensors
 @pytest.mark.parametrize("sliding_window", [1, 5, 16])
 def test_sliding_window(sliding_window: int) -> None:
     steps = [(14, 1), (0, 17), (9, 10), (40, 1)]
@@ -146,6 +156,7 @@ def test_sliding_window(sliding_window: int) -> None:
     _check(batch, 4, torch.float32, sliding_window)
 
 
+@on_cpu_tensors
 @pytest.mark.parametrize(
     ("steps", "num_kv_splits"),
     [([(40, 1), (3, 1), (0, 1)], 3), ([(40, 1), (3, 1), (25, 1)], 16), ([(30, 1), (5, 20)], 2)],
@@ -158,6 +169,7 @@ def test_kv_splits_merge_like_one_pass(steps: list[tuple[int, int]], num_kv_spli
     _check(batch, 4, torch.float16, sliding_window=9, config=config)
 
 
+@on_cpu_tensors
 def test_small_query_tiles_and_multi_step_kv_loop() -> None:
     # block_n 16 with block_size 4: several loop steps and blocks per step; block_m 16 with
     # group 3 gives 5-token tiles (one padding row), so prefills span several tiles.
@@ -167,6 +179,7 @@ def test_small_query_tiles_and_multi_step_kv_loop() -> None:
     _check(batch, 3, torch.float32, config=config)
 
 
+@on_cpu_tensors
 def test_padding_rows_are_zero_and_padding_slots_not_written() -> None:
     batch = _build_batch([(3, 4), (8, 1)], 2, 16, 4, torch.float32, num_padding_tokens=3)
     query = torch.randn(batch.metadata.num_tokens, 2, 16)
@@ -183,6 +196,7 @@ def test_padding_rows_are_zero_and_padding_slots_not_written() -> None:
     assert torch.equal(flat[untouched], batch.key_cache.view(-1, 2, 16)[untouched])
 
 
+@on_cpu_tensors
 def test_write_kv_cache_strided_input_and_cast() -> None:
     # K and V as views into a fused qkv projection output, written into an fp16 cache.
     qkv = torch.randn(5, (4 + 2 + 2) * 16)
@@ -216,6 +230,7 @@ def test_launch_config_splits_decode_only(monkeypatch: pytest.MonkeyPatch) -> No
     assert config(1, 1000).block_m == 16 and config(7, 1000).block_m == 64
 
 
+@on_cpu_tensors
 def test_rejects_bad_inputs() -> None:
     cache = torch.zeros(2, 4, 2, 16)
     metadata = _build_batch([(0, 2)], 2, 16, 4, torch.float32).metadata
@@ -227,6 +242,7 @@ def test_rejects_bad_inputs() -> None:
         ta.write_kv_cache(torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), cache, cache, torch.zeros(2))
 
 
+@on_cpu_tensors
 def test_triton_backend_writes_and_attends_like_the_torch_backend() -> None:
     """The registered backends, end to end: metadata, K/V write and attention of one layer."""
     common = build_metadata(BlockAllocator(8, 4), [(0, 0, 6), (1, 0, 1)], num_padding_tokens=1)
