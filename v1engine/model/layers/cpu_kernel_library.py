@@ -69,6 +69,12 @@ def load_kernels() -> dict[tuple[str, torch.dtype | None], ctypes._CFuncPtr] | N
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode kernels unavailable; using torch and oneDNN: %s", e)
         return None
+    return bind_kernels(library)
+
+
+def bind_kernels(library: ctypes.CDLL) -> dict[tuple[str, torch.dtype | None], ctypes._CFuncPtr]:
+    """`load_kernels`' table for a loaded library (also one built from other sources, as
+    `scripts/bench_gemm.py --baseline-ref` does): each function with its C signature."""
     symbols = {(name, None): (f"v1e_{name}", sig) for name, sig in _UNTYPED.items()}
     for name, signature in _TYPED.items():
         for dtype, suffix in KERNEL_DTYPES.items():

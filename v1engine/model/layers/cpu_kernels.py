@@ -87,23 +87,25 @@ def data_pointer(t: torch.Tensor | None) -> int | None:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, meant for x [..., K] of a few rows (`max_gemv_tokens`): the
     kernel keeps one sum per row on the stack. weight and bias contiguous."""
-    return _linear("gemv", x, weight, bias)
+    return linear_with(kernel("gemv", x.dtype), x, weight, bias)
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for a few
     dozen: `max_gemm_tokens`); weight and bias contiguous. Each output row depends only on its
     own input row."""
-    return _linear("gemm", x, weight, bias)
+    return linear_with(kernel("gemm", x.dtype), x, weight, bias)
 
 
-def _linear(
-    name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def linear_with(
+    function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """`F.linear` through `function`, a bound gemv or gemm (`kernel(...)`, or
+    `cpu_kernel_library.bind_kernels` of another build)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    failed = kernel(name, x.dtype)(
+    failed = function(
         rows.data_ptr(),
         weight.data_ptr(),
         data_pointer(bias),
@@ -113,7 +115,7 @@ def _linear(
         in_features,
     )
     if failed:  # only gemm allocates (its packed copy of x); gemv returns nothing
-        raise MemoryError(f"the {name} kernel could not allocate its packed copy of the input")
+        raise MemoryError("the gemm kernel could not allocate its packed copy of the input")
     return out.view(*x.shape[:-1], out_features)
 
 
