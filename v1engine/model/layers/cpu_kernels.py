@@ -22,10 +22,12 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
 
 logger = init_logger(__name__)
 
-# Up to this many rows our gemv beats oneDNN's GEMM or is level with it (scripts/bench_gemm.py,
-# the SmolLM2 step's matmuls: float32 25 vs 34 ms at 5 rows, 37 vs 36 at 8; bfloat16, whose gemv
-# widens every element, level at 4 and 14% slower at 5).
-_MAX_GEMV_TOKENS = {torch.float32: 8, torch.bfloat16: 4}
+# Up to this many rows our gemv beats the other kernels (scripts/bench_gemm.py, the SmolLM2 step's
+# matmuls and LM head, 2-core AVX-512 Xeon). float32: 38 vs 43 ms for our gemm at 5 rows; from 6
+# the gemm wins (43 vs 47 ms at 6, 44 vs 55 at 7, 44 vs 47 at 8): the gemv's four dot products per
+# pass are latency-bound, and rows past a multiple of four go one at a time. bfloat16 (no gemm):
+# against oneDNN, level at 4 and 14% slower at 5, as the gemv widens every element.
+_MAX_GEMV_TOKENS = {torch.float32: 5, torch.bfloat16: 4}
 
 
 # Up to this many rows (float32 only) our tiled matmul beats oneDNN and MKL (scripts/bench_gemm.py,
