@@ -1,8 +1,7 @@
-"""The CPU matmul kernels built from two trees, for `bench_gemm.py --baseline-ref`: the working
-tree's library (as every process loads it) and one compiled the same way from a git ref's C
-sources into a temporary folder, both bound and called as the engine does
-(`cpu_kernel_library.bind_kernels`, `cpu_kernels.linear_with`), so that the builds differ in
-nothing but their sources."""
+"""The CPU kernels built from two trees, for the `--baseline-ref` of bench_gemm.py and
+bench_attention.py: the working tree's library (as every process loads it) and one compiled the
+same way from a git ref's C sources into a temporary folder, both bound as the engine binds them
+(`cpu_kernel_library.bind_kernels`), so that the builds differ in nothing but their sources."""
 
 from __future__ import annotations
 
@@ -23,30 +22,40 @@ _LAYERS = os.path.relpath(os.path.dirname(cpu_kernel_library.__file__), _REPO)
 
 
 def _sources(ref: str, into: str) -> list[str]:
-    """The library's files at git `ref`, written into `into`; returns the C sources' paths."""
-    names = [
-        os.path.basename(p) for p in (*cpu_kernel_library.SOURCES, *cpu_kernel_library.HEADERS)
-    ]
+    """The library's files at git `ref` (every cpu_*.c and .h beside cpu_kernel_library.py there),
+    written into `into`; returns the C sources' paths."""
+    listed = _git("ls-tree", "--name-only", ref, f"{_LAYERS}/").decode().split()
+    names = [os.path.basename(p) for p in listed if os.path.basename(p).startswith("cpu_")]
+    names = [n for n in names if n.endswith((".c", ".h"))]
+    if not any(n.endswith(".c") for n in names):
+        raise SystemExit(f"--baseline-ref {ref}: no CPU kernel sources in {_LAYERS} there")
     for name in names:
-        shown = subprocess.run(
-            ["git", "-C", _REPO, "show", f"{ref}:{_LAYERS}/{name}"], capture_output=True, timeout=60
-        )
-        if shown.returncode != 0:
-            raise SystemExit(f"--baseline-ref {ref}: no {_LAYERS}/{name} there ({shown.stderr!r})")
         with open(os.path.join(into, name), "wb") as f:
-            f.write(shown.stdout)
+            f.write(_git("show", f"{ref}:{_LAYERS}/{name}"))
     return [os.path.join(into, n) for n in names if n.endswith(".c")]
 
 
-def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Callable]:
-    """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) built from `ref`'s sources
+def _git(*args: str) -> bytes:
+    shown = subprocess.run(["git", "-C", _REPO, *args], capture_output=True, timeout=60)
+    if shown.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed: {shown.stderr.decode().strip()}")
+    return shown.stdout
+
+
+def library(ref: str | None, workdir: str) -> dict[tuple[str, torch.dtype | None], Callable]:
+    """`cpu_kernel_library.load_kernels()`'s table, for the library built from `ref`'s sources
     (None: the working tree's, the library every process already loads)."""
     if ref is None:
-        kernels = cpu_kernel_library.load_kernels()
-    else:
-        folder = tempfile.mkdtemp(dir=workdir)
-        library = os.path.join(folder, "kernels.so")
-        cpu_kernel_library.compile_library(folder, library, tuple(_sources(ref, folder)))
-        kernels = cpu_kernel_library.bind_kernels(ctypes.CDLL(library))
+        return cpu_kernel_library.load_kernels()
+    folder = tempfile.mkdtemp(dir=workdir)
+    path = os.path.join(folder, "kernels.so")
+    cpu_kernel_library.compile_library(folder, path, tuple(_sources(ref, folder)))
+    return cpu_kernel_library.bind_kernels(ctypes.CDLL(path))
+
+
+def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Callable]:
+    """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) from `library(ref, ...)`,
+    called as the engine calls them (`cpu_kernels.linear_with`)."""
+    kernels = library(ref, workdir)
     names = ("gemv", "gemm") if dtype == torch.float32 else ("gemv",)
     return {f"cpu_{name}": functools.partial(linear_with, kernels[name, dtype]) for name in names}

@@ -93,15 +93,33 @@ def test_steps_with_prefills_and_padding_match_the_torch_backend(
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 4), (16, 2)])
+def test_prefills_through_the_blocked_passes_match_the_torch_backend(
+    num_heads, num_kv_heads, head_size, window, dtype, tol
+):
+    # Units of 8 rows with 2, 3 and 8 query heads per KV head take cpu_attention_blocked.c (on
+    # AVX-512 CPUs; the per-key passes elsewhere): blocks of query vectors that do not divide
+    # their number, keys past a window, chunks over a cached prefix, a decode beside them.
+    steps = [(0, 0, 37), (1, 20, 19), (2, 5, 1)]
+    args = (steps, num_heads, num_kv_heads, head_size, 4, window, dtype)
+    _, out, _ = _attend(CpuAttentionBackend(), *args)
+    _, expected, _ = _attend(TorchAttentionBackend(), *args)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
 def test_a_long_prefill_takes_the_torch_backends_path():
     # Past LONG_PREFILL_ATTENTIONS row-key pairs SDPA is faster; one decode beside it goes along.
     longest = int(LONG_PREFILL_ATTENTIONS**0.5)
+    num_blocks = longest // 16 + 4
     for query_len, expected in (
         (longest, CpuAttentionMetadata),
         (longest + 1, TorchAttentionMetadata),
     ):
-        common = build_metadata(BlockAllocator(NUM_BLOCKS, 16), [(0, 0, query_len), (1, 5, 1)])
-        kv_cache = torch.randn(NUM_BLOCKS, 16, 2, 8)
+        common = build_metadata(BlockAllocator(num_blocks, 16), [(0, 0, query_len), (1, 5, 1)])
+        kv_cache = torch.randn(num_blocks, 16, 2, 8)
         metadata = CpuAttentionBackend().build_metadata(common, attention_spec(kv_cache))
         assert isinstance(metadata, expected), query_len
 

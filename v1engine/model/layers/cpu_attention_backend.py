@@ -3,13 +3,14 @@
 The kernel reads each request's keys in place through the block table (no gather, no padding to
 the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
 over a cached prefix. A decode step runs several times faster than the torch backend's gathered
-SDPA, and prefills of chat length (up to a few hundred tokens) about twice as fast as its SDPA
-(`scripts/profile_steps.py`, "attention"). Its cost grows with rows x keys at a higher rate than
-SDPA's, so a step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs takes the torch
-backend (on the 2-core bench machine: 12 vs 23 ms per layer for 13 prompts of 144 tokens, 39 vs
-27 ms for one of 1024). So do cache dtypes the kernel does not read (float16), V heads of another
-size than K's, and slots of -1 among a step's real rows. Chosen by default on CPU when the kernels
-build (`get_default_attention_backend`).
+SDPA, and prefills faster up to about a thousand tokens (`scripts/bench_attention.py`, one
+SmolLM2 layer on the 2-core AVX-512 bench machine: 4.5 vs 12.5 ms for 13 prompts of 144 tokens,
+3.2 vs 4.9 for one of 512, 12.2 vs 14.0 for one of 1024, 15.8 vs 16.7 for 512 over a cached 1024,
+but 51 vs 47 for one of 2048). Its cost grows with rows x keys at a higher rate than SDPA's, so
+a step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs takes the torch backend. So
+do cache dtypes the kernel does not read (float16), V heads of another size than K's, and slots
+of -1 among a step's real rows. Chosen by default on CPU when the kernels build
+(`get_default_attention_backend`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
 # Past this many row-key pairs in one request (query rows x keys), SDPA's blocked GEMMs beat the
-# kernel's dot products: about a 256-token prompt from scratch (crossover measured near 350).
-LONG_PREFILL_ATTENTIONS = 256 * 256
+# kernel: about a 1024-token prompt from scratch (the crossover lies between 1024 and 2048;
+# scripts/bench_attention.py measures both).
+LONG_PREFILL_ATTENTIONS = 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -115,35 +115,6 @@ static long panel_width(long m0, long M, long panel)
 }
 
 #if LANES == 16
-#include <immintrin.h>
-
-/* Rows r[0..15] -> columns, in place: r[k][j] = old r[j][k]. Two rounds of in-lane shuffles
-   transpose each 4x4 block of a 128-bit lane, two rounds of lane shuffles move the blocks. */
-static inline void transpose_16x16(__m512 r[16])
-{
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int g = 0; g < 4; g++) { /* u[4g + c], lane L: rows 4g..4g+3 at k = 4L + c */
-        u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-    }
-    for (int c = 0; c < 4; c++) {
-        __m512 p = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
-        __m512 q = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-        __m512 s = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-        __m512 v = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_f32x4(p, s, 0x88);
-        r[4 + c] = _mm512_shuffle_f32x4(p, s, 0xDD);
-        r[8 + c] = _mm512_shuffle_f32x4(q, v, 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(q, v, 0xDD);
-    }
-}
-
 /* 16 tokens from x (rows `real` and past: zeros) x k0..k1 (at most 16) -> dst[k][16], row stride
    `width` floats. */
 static void pack_block(const float *x, float *dst, long K, long real, long k0, long k1, long width)

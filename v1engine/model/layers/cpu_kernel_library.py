@@ -32,12 +32,15 @@ SOURCES = tuple(
         "cpu_gemv.c",
         "cpu_gemm.c",
         "cpu_paged_attention.c",
+        "cpu_attention_blocked.c",
         "cpu_rms_norm.c",
         "cpu_elementwise.c",
         "cpu_decoder_stack.c",
     )
 )
-HEADERS = tuple(os.path.join(_HERE, name) for name in ("cpu_kernels.h", "cpu_vectors.h"))
+HEADERS = tuple(
+    os.path.join(_HERE, name) for name in ("cpu_kernels.h", "cpu_vectors.h", "cpu_attention.h")
+)
 # GCC vectorizes loops 256 bits wide on AVX-512 CPUs unless told otherwise; the loops it vectorizes
 # here (softmax's exponentials, norms, SiLU) ran faster 512 wide (no effect on other ISAs).
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC")

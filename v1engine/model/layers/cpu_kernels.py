@@ -13,6 +13,7 @@ Every op takes CPU tensors of one dtype, float32 or bfloat16, and computes in fl
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -189,9 +190,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     query_start_loc: torch.Tensor | None = None,
+    function: ctypes._CFuncPtr | None = None,
 ) -> torch.Tensor:
     """Each request's query rows over its paged keys (attention_backend.py's layout and batch
-    contract).
+    contract), by `function` (default: this library's kernel; `scripts/bench_attention.py`
+    passes another build's).
 
     query [num_rows, num_heads, head_size]; key_cache/value_cache [num_blocks, block_size,
     num_kv_heads, head_size] of query's dtype; block_table [num_reqs, stride] int32 (rows may be
@@ -202,7 +205,7 @@ def paged_attention(
     _, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
-    failed = kernel("paged_attention", query.dtype)(
+    failed = (function or kernel("paged_attention", query.dtype))(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),

@@ -14,7 +14,8 @@
    each row and query head, LANES keys' dot products are summed across their lanes by one shuffle
    tree into one vector of LANES scores, instead of one horizontal sum per key; the values are
    summed two keys at a time into vector accumulators. Other head sizes (tiny test models) take a
-   plain loop per key.
+   plain loop per key. Units with enough query vectors per KV head (a prefill's rows) take the
+   blocked passes of cpu_attention_blocked.c instead, on AVX-512 CPUs, for head sizes 64 and 128.
 
    The layout contract is attention_backend.py's: key position p of sequence s lives in block
    block_table[s, p / block_size] at offset p % block_size; sequence s's query rows are
@@ -27,95 +28,9 @@
    step of decodes: T = S); out [T, H, D]. Built with the other kernels into one library
    (cpu_kernel_library.py); returns nonzero if a buffer could not be allocated. */
 
-#include <math.h>
 #include <stdlib.h>
 
-#include "cpu_vectors.h"
-
-#define MAX_HEAD_VECS 8 /* the vector path takes head sizes up to 8 * LANES */
-#define ROW_BLOCK 8     /* query rows of one sequence attended together */
-
-struct attention_shape {
-    long num_heads, num_kv_heads, head_size, block_size, window;
-    float scale;
-    /* [num_heads]: where query head h's KV head (h / (num_heads / num_kv_heads)) starts in a
-       cache row, in elements; computed once per call (a division costs tens of cycles, and the
-       passes would otherwise divide once per group of keys) */
-    const long *head_offset;
-};
-
-/* One unit: `rows` query rows; the keys first .. first + n - 1 that any of them sees; row r sees
-   keys first + lo[r] .. first + hi[r] (lo/hi relative to first). */
-struct unit {
-    long rows, first, n;
-    long lo[ROW_BLOCK], hi[ROW_BLOCK];
-};
-
-/* Where a walk over the keys stands: block `block` of the table, row `offset` in it. Advanced
-   LANES positions at a time, so that only its start divides by the block size. */
-struct cursor {
-    long block, offset;
-};
-
-static inline struct cursor cursor_at(long pos, long block_size)
-{
-    return (struct cursor){pos / block_size, pos % block_size};
-}
-
-/* The cache rows of the next `count` (<= LANES) positions at *at, which it then advances past
-   them, walking the block table block by block; slots past `count` repeat the last row, so that
-   a partial group reads valid memory. */
-static inline void group_rows(const char **rows, const char *cache, const int32_t *table,
-                              struct cursor *at, long count, long block_size, long row_bytes)
-{
-    const long block_bytes = block_size * row_bytes;
-    const char *base = cache + (long)table[at->block] * block_bytes;
-    for (long j = 0; j < count; j++) {
-        rows[j] = base + at->offset * row_bytes;
-        if (++at->offset == block_size) {
-            at->offset = 0;
-            if (j + 1 < count) base = cache + (long)table[++at->block] * block_bytes;
-            else at->block++;
-        }
-    }
-    for (long j = count; j < LANES; j++) rows[j] = rows[count - 1];
-}
-
-/* The keys i0 .. i0 + count - 1 that row r sees, as j0 .. j1 - 1 (j1 <= j0: none). */
-static inline void seen(const struct unit *u, long r, long i0, long count, long *j0, long *j1)
-{
-    *j0 = u->lo[r] > i0 ? u->lo[r] - i0 : 0;
-    *j1 = u->hi[r] + 1 - i0 < count ? u->hi[r] + 1 - i0 : count;
-}
-
-/* The largest of p[0 .. n-1], LANES at a time (a scalar running maximum waits on itself). */
-static float maximum(const float *p, long n)
-{
-    vec top = (vec){0} - INFINITY;
-    long i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vec v = load_f32(p + i);
-        int_vec larger = v > top; /* all ones where v is larger (C has no vector ?:) */
-        top = (vec)(((int_vec)v & larger) | ((int_vec)top & ~larger));
-    }
-    float best = -INFINITY;
-    for (int l = 0; l < LANES; l++) best = top[l] > best ? top[l] : best;
-    for (; i < n; i++) best = p[i] > best ? p[i] : best;
-    return best;
-}
-
-/* scores [rows, H, n] -> the softmax's numerators e^(score - max) per row and head, in place
-   (-inf scores become 0), and 1 / their sum per row and head in `inverse_totals`: the values pass
-   scales its sums by it once, instead of a division per score here. */
-static void softmax(float *scores, long num_rows, long n, float *inverse_totals)
-{
-    for (long r = 0; r < num_rows; r++) {
-        float *p = scores + r * n, top = maximum(p, n), total = 0.f;
-        _Pragma("omp simd reduction(+:total)")
-        for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);
-        inverse_totals[r] = 1.f / total;
-    }
-}
+#include "cpu_attention.h"
 
 /* The vector path for head_size = VECS * LANES: `_scores` fills scores[(r * H + h) * n + i]
    (row r, query head h, key first + i), `_values` sums the values with the softmax weights and
@@ -251,7 +166,7 @@ static void softmax(float *scores, long num_rows, long n, float *inverse_totals)
         NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);              \
         return 0;
 
-#define PAGED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE)                                     \
+#define PAGED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE, BLOCKED)                            \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 1)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 2)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 3)                                              \
@@ -266,6 +181,7 @@ static void softmax(float *scores, long num_rows, long n, float *inverse_totals)
                            const int32_t *table, const struct unit *u, T *out,                 \
                            const struct attention_shape *sh, float *scores)                    \
     {                                                                                          \
+        if (BLOCKED(q, k_cache, v_cache, table, u, sh, scores, out)) return 0;                 \
         float inverse_totals[u->rows * sh->num_heads];                                         \
         switch (sh->head_size % LANES == 0 ? sh->head_size / LANES : 0) {                      \
             VECTOR_CASE(NAME, 1)                                                               \
@@ -365,8 +281,10 @@ static void describe_unit(struct unit *u, long seq_len, const int32_t *query_sta
     }
 }
 
-PAGED_ATTENTION(v1e_paged_attention_f32, float, AS_FLOAT, load_f32, AS_FLOAT)
-PAGED_ATTENTION(v1e_paged_attention_bf16, uint16_t, bf16_to_f32, load_bf16, f32_to_bf16)
+PAGED_ATTENTION(v1e_paged_attention_f32, float, AS_FLOAT, load_f32, AS_FLOAT,
+                v1e_attention_blocked_f32)
+PAGED_ATTENTION(v1e_paged_attention_bf16, uint16_t, bf16_to_f32, load_bf16, f32_to_bf16,
+                v1e_attention_blocked_bf16)
 
 /* Stores each new token's K and V row (KVH * D elements, `row_bytes` bytes) at its slot; rows of
    key/value are `key_stride`/`value_stride` bytes apart (a view into the fused QKV output). */

@@ -1,0 +1,168 @@
+"""CPU attention for prefills: our kernel (cpu_paged_attention.c, the CPU backend's) against the
+torch backend (keys gathered from the paged cache, then SDPA), one layer of the default model's
+shape (9 query heads over 3 KV heads, head size 64, blocks of 16), in one run.
+
+    python scripts/bench_attention.py --repeats 7 --json attention.json
+    python scripts/bench_attention.py --baseline-ref HEAD~1   # also the kernel built at HEAD~1
+
+A case is `CACHED+NEW`x`COUNT`: COUNT requests, each computing NEW tokens after CACHED ones (0:
+a prompt from scratch; more: a chunk over a cached prefix). Each system runs every case
+`--repeats` times in alternating order; the table gives the median ms per layer, GFLOP/s (the
+causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the faster system.
+"pick" says which one the CPU backend takes for the case: its kernel up to
+`cpu_attention_backend.LONG_PREFILL_ATTENTIONS` row-key pairs in one request, SDPA past it, a
+limit this benchmark is the measure for. With `--baseline-ref` every kernel output is also
+compared with the torch backend's (max abs difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+from _bench_utils import cpu_machine_info
+
+from v1engine.kv_cache_interface import FullAttentionSpec
+from v1engine.model.layers import cpu_attention_backend, cpu_kernels
+from v1engine.model.layers.torch_attention import TorchAttentionBackend
+from v1engine.worker.input_batch import BlockTable
+from v1engine.worker.model_inputs import build_common_attn_metadata, step_layout
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+DEFAULT_CASES = ["0+144x13", "0+256x4", "0+512x1", "0+1024x1", "0+2048x1", "1024+512x1"]
+
+
+def parse_case(case: str) -> tuple[int, int, int]:
+    try:
+        lengths, count = case.split("x")
+        cached, new = lengths.split("+")
+        return int(cached), int(new), int(count)
+    except ValueError:
+        raise SystemExit(f"bad case {case!r}: write CACHED+NEWxCOUNT, e.g. 0+512x1") from None
+
+
+def make_step(cached: int, new: int, count: int, dtype: torch.dtype):
+    """A step of `count` requests over caches of random keys and values: (query, caches,
+    CommonAttentionMetadata)."""
+    blocks_each = -(-(cached + new) // BLOCK_SIZE)
+    shape = (blocks_each * count, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    layout = step_layout(np.full(count, cached), np.full(count, new))
+    table = BlockTable(count, cached + new, BLOCK_SIZE)
+    for row in range(count):
+        table.set_row(row, list(range(row * blocks_each, (row + 1) * blocks_each)))
+    query_start_loc = torch.from_numpy(layout.query_start_loc).to(torch.int32)
+    [common] = build_common_attn_metadata([table], layout, query_start_loc, torch.device("cpu"))
+    query = torch.randn(count * new, NUM_HEADS, HEAD_SIZE).to(dtype)
+    return query, caches, common
+
+
+def systems(common, caches, baseline: dict | None) -> dict:
+    """name -> a call computing the step's attention."""
+    spec = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, caches[0].dtype)
+    torch_backend = TorchAttentionBackend()
+    torch_metadata = torch_backend.build_metadata(common, spec)
+    scale = HEAD_SIZE**-0.5
+    table = common.block_table[: common.num_reqs].to(torch.int32).contiguous()
+    seq_lens = common.seq_lens.to(torch.int32).contiguous()
+    starts = common.query_start_loc.to(torch.int32).contiguous()
+
+    def kernel(function=None):
+        return lambda q: cpu_kernels.paged_attention(
+            q, *caches, table, seq_lens, scale, None, starts, function=function
+        )
+
+    calls = {
+        "kernel": kernel(),
+        "torch": lambda q: torch_backend.forward(q, caches, torch_metadata, scale, None),
+    }
+    if baseline is not None:
+        calls[f"kernel@{baseline['ref']}"] = kernel(baseline["function"])
+    return calls
+
+
+def measure_case(case: str, args, baseline: dict | None) -> dict:
+    cached, new, count = parse_case(case)
+    dtype = getattr(torch, args.dtype)
+    query, caches, common = make_step(cached, new, count, dtype)
+    calls = systems(common, caches, baseline)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.inference_mode():
+        outputs = {name: call(query) for name, call in calls.items()}  # warm-up
+        for repeat in range(args.repeats):
+            for name in list(calls)[:: 1 if repeat % 2 == 0 else -1]:
+                start = time.perf_counter()
+                calls[name](query)
+                times[name].append(time.perf_counter() - start)
+    # rows x keys seen: row i of a request sees cached + i + 1 keys.
+    pairs = count * (new * cached + new * (new + 1) // 2)
+    flops = 4 * pairs * HEAD_SIZE * NUM_HEADS
+    row: dict = {"case": case, "row_key_pairs": pairs}
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        row[name] = {"median_ms": round(median * 1e3, 3), "gflops": round(flops / median / 1e9, 1)}
+        if name != "torch":
+            diff = (outputs[name].float() - outputs["torch"].float()).abs().max().item()
+            row[name]["max_abs_diff_vs_torch"] = float(f"{diff:.2e}")
+    longest = new * (cached + new)
+    row["pick"] = "torch" if longest > cpu_attention_backend.LONG_PREFILL_ATTENTIONS else "kernel"
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--baseline-ref", default=None, help="git ref whose kernel is measured too")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("the CPU kernels did not build here (see the warning above)")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench_attention-") as workdir:
+        baseline = None
+        if args.baseline_ref:
+            from _kernel_builds import library
+
+            built = library(args.baseline_ref, workdir)
+            baseline = {
+                "ref": args.baseline_ref,
+                "function": built["paged_attention", getattr(torch, args.dtype)],
+            }
+        print(f"{args.dtype}, {args.threads} threads; ms per layer (GFLOP/s)")
+        rows = []
+        for case in args.cases:
+            row = measure_case(case, args, baseline)
+            rows.append(row)
+            cells = [
+                f"{k} {v['median_ms']:8.2f} ({v['gflops']:5.1f})"
+                for k, v in row.items()
+                if isinstance(v, dict)
+            ]
+            fastest = min(
+                (k for k, v in row.items() if isinstance(v, dict)),
+                key=lambda k: row[k]["median_ms"],
+            )
+            print(
+                f"{case:>12}: "
+                + " | ".join(cells)
+                + f" | fastest {fastest}, backend picks {row['pick']}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"machine": cpu_machine_info(), "args": vars(args), "results": rows}, f, indent=2
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+/* The two passes of paged attention as small matrix products, for units with many query vectors:
+   a prefill's rows times the query heads that share a KV head (AVX-512, head sizes 64 and 128).
+
+   The per-key passes (cpu_paged_attention.c) take one query vector at a time: each key's dot
+   product is LANES partial sums folded by a shuffle tree, and each value is loaded once per
+   query vector, so a prefill's attention ran at about a fifth of the FMA peak (63 GFLOP/s for
+   13 prompts of 144 tokens, and past 256 tokens SDPA was faster). Here a group of 16 keys of one
+   KV head is transposed once ([D][16], in L1) and every query vector of the unit that reads
+   that KV head takes it: per dimension, one load of 16 keys and one broadcast of the query
+   feed 16 scores, SCORE_BLOCK query vectors at a time, with no folding. The values pass keeps
+   a few query vectors' sums in registers and loads each value row once for all of them.
+
+   Same three passes and the same softmax as the per-key path (scores with -inf for keys a row
+   does not see, e^(score - max), the sums scaled by 1 / total once); only the order of the
+   additions inside a dot product differs (dimension by dimension, one chain). A key a row does
+   not see has weight 0 in the values pass: every key of the unit is a written cache row (at
+   most the unit's last position), so 0 times it adds nothing. */
+
+#include "cpu_attention.h"
+
+#if LANES == 16
+
+#define SCORE_BLOCK 12 /* query vectors per pass over a transposed key group */
+#define MAX_HEAD 128
+
+/* Whether the blocked passes take this unit: enough query vectors to share each transposed key
+   group (a decode's few do not repay the transposes), and a head size they are built for. */
+static inline int blocked_attention_applies(const struct unit *u, const struct attention_shape *sh)
+{
+    const long G = sh->num_heads / sh->num_kv_heads;
+    return (sh->head_size == 64 || sh->head_size == 128) && u->rows * G >= SCORE_BLOCK;
+}
+
+/* The unit's query vectors that read one KV head g, i = 0 .. rows * G - 1: row i / G, query head
+   g * G + i % G. Divided out once per unit (a division costs tens of cycles; a block of scores
+   is a few hundred). */
+struct query_vectors {
+    long count, G, H;
+    const long *row;    /* [count] */
+    const long *offset; /* [count]: row * H + i % G, to which g * G is added */
+};
+
+/* Query vector min(i, count - 1) of KV head g: its row and its index r * H + h among the unit's. */
+static inline long query_index(const struct query_vectors *qv, long i, long g, long *row)
+{
+    i = i < qv->count ? i : qv->count - 1;
+    *row = qv->row[i];
+    return qv->offset[i] + g * qv->G;
+}
+
+/* The rows [lo, hi) of 16 as a lane mask. */
+static inline __mmask16 lanes(long lo, long hi)
+{
+    return hi > lo ? (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
+}
+
+/* scores of SCORE_BLOCK query vectors from q0 (the last repeated past the count) over the transposed
+   group kt [D][16]; stored for the rows each one sees, `count` keys from key i0. */
+static void score_block(const float *qf, const float *kt, const struct unit *u,
+                        const struct attention_shape *sh, const struct query_vectors *qv, long g,
+                        long q0, long i0, long count, float *scores)
+{
+    const long D = sh->head_size, n = u->n;
+    const float *query[SCORE_BLOCK];
+    __m512 acc[SCORE_BLOCK];
+    for (int b = 0; b < SCORE_BLOCK; b++) {
+        long row;
+        query[b] = qf + query_index(qv, q0 + b, g, &row) * D;
+        acc[b] = _mm512_setzero_ps();
+    }
+    for (long d = 0; d < D; d++) {
+        const __m512 keys = _mm512_load_ps(kt + d * 16);
+        for (int b = 0; b < SCORE_BLOCK; b++)
+            acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(query[b][d]), keys, acc[b]);
+    }
+    const __m512 hidden = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(sh->scale);
+    for (long b = 0; b < SCORE_BLOCK && q0 + b < qv->count; b++) {
+        long row, j0, j1;
+        const long index = query_index(qv, q0 + b, g, &row);
+        seen(u, row, i0, count, &j0, &j1);
+        __m512 s = _mm512_mask_blend_ps(lanes(j0, j1), hidden, _mm512_mul_ps(acc[b], scale));
+        _mm512_mask_storeu_ps(scores + index * n + i0, lanes(0, count), s);
+    }
+}
+
+/* The weighted values of B query vectors from q0 over the unit's keys, scaled by their inverse
+   totals, into out; VECS vectors per head. */
+#define VALUE_BLOCK(NAME, T, LOAD, STORE, VECS, B)                                             \
+    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,               \
+                                     const struct unit *u, const struct attention_shape *sh,   \
+                                     const struct query_vectors *qv, long g, long q0,          \
+                                     const float *weights, const float *inverse_totals, T *out) \
+    {                                                                                          \
+        const long n = u->n;                                                                   \
+        const long row_bytes = sh->num_kv_heads * VECS * 16 * sizeof(T);                       \
+        const float *p[B];                                                                     \
+        long rh[B];                                                                            \
+        __m512 acc[B][VECS];                                                                   \
+        for (int b = 0; b < B; b++) {                                                          \
+            long row;                                                                          \
+            rh[b] = query_index(qv, q0 + b, g, &row);                                          \
+            p[b] = weights + rh[b] * n;                                                        \
+            for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_setzero_ps();                    \
+        }                                                                                      \
+        const char *rows[16];                                                                  \
+        struct cursor at = cursor_at(u->first, sh->block_size);                                \
+        for (long i0 = 0; i0 < n; i0 += 16) {                                                  \
+            const long count = n - i0 < 16 ? n - i0 : 16;                                      \
+            group_rows(rows, v_cache, table, &at, count, sh->block_size, row_bytes);           \
+            for (long j = 0; j < count; j++) {                                                 \
+                const T *value = (const T *)rows[j] + g * VECS * 16;                           \
+                __m512 v[VECS];                                                                \
+                for (int c = 0; c < VECS; c++) v[c] = (__m512)LOAD(value + c * 16);            \
+                for (int b = 0; b < B; b++) {                                                  \
+                    const __m512 w = _mm512_set1_ps(p[b][i0 + j]);                             \
+                    for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]); \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (long b = 0; b < B && q0 + b < qv->count; b++) {                                          \
+            float sums[VECS * 16];                                                             \
+            const __m512 inverse = _mm512_set1_ps(inverse_totals[rh[b]]);                      \
+            for (int c = 0; c < VECS; c++)                                                     \
+                _mm512_storeu_ps(sums + c * 16, _mm512_mul_ps(acc[b][c], inverse));            \
+            for (long d = 0; d < VECS * 16; d++) out[rh[b] * VECS * 16 + d] = STORE(sums[d]);  \
+        }                                                                                      \
+    }
+
+#define BLOCKED_ATTENTION(NAME, T, LOAD, STORE)                                                \
+    VALUE_BLOCK(NAME, T, LOAD, STORE, 4, 6)                                                    \
+    VALUE_BLOCK(NAME, T, LOAD, STORE, 8, 3)                                                    \
+                                                                                               \
+    /* The 16 keys at rows[], KV head g, as kt[d][16] (transposed 16 x 16 at a time). */       \
+    static void NAME##_transposed_keys(const char *const *rows, long g, long D, float *kt)     \
+    {                                                                                          \
+        for (long c = 0; c < D / 16; c++) {                                                    \
+            __m512 r[16];                                                                      \
+            for (int j = 0; j < 16; j++) r[j] = (__m512)LOAD((const T *)rows[j] + g * D + c * 16); \
+            transpose_16x16(r);                                                                \
+            for (int d = 0; d < 16; d++) _mm512_store_ps(kt + (c * 16 + d) * 16, r[d]);       \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static void NAME##_scores(const float *qf, const char *k_cache, const int32_t *table,      \
+                              const struct unit *u, const struct attention_shape *sh,          \
+                              const struct query_vectors *qv, float *scores)                   \
+    {                                                                                          \
+        const long KVH = sh->num_kv_heads, D = sh->head_size, n = u->n;                        \
+        const long row_bytes = KVH * D * sizeof(T);                                            \
+        float kt[MAX_HEAD * 16] __attribute__((aligned(64)));                                  \
+        const char *rows[16];                                                                  \
+        struct cursor at = cursor_at(u->first, sh->block_size);                                \
+        for (long i0 = 0; i0 < n; i0 += 16) {                                                  \
+            const long count = n - i0 < 16 ? n - i0 : 16;                                      \
+            group_rows(rows, k_cache, table, &at, count, sh->block_size, row_bytes);           \
+            for (long g = 0; g < KVH; g++) {                                                   \
+                NAME##_transposed_keys(rows, g, D, kt);                                        \
+                for (long q0 = 0; q0 < qv->count; q0 += SCORE_BLOCK)                           \
+                    score_block(qf, kt, u, sh, qv, g, q0, i0, count, scores);                  \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    int NAME(const T *q, const char *k_cache, const char *v_cache, const int32_t *table,       \
+             const struct unit *u, const struct attention_shape *sh, float *scores, T *out)    \
+    {                                                                                          \
+        const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads;             \
+        if (!blocked_attention_applies(u, sh)) return 0;                                       \
+        long row_of[u->rows * G], offset_of[u->rows * G];                                      \
+        for (long i = 0; i < u->rows * G; i++) {                                               \
+            row_of[i] = i / G;                                                                 \
+            offset_of[i] = row_of[i] * H + i % G;                                              \
+        }                                                                                      \
+        const struct query_vectors qv = {u->rows * G, G, H, row_of, offset_of};                \
+        float qf[u->rows * H * D];                                                             \
+        for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD_SCALAR(T, q[i]);               \
+        NAME##_scores(qf, k_cache, table, u, sh, &qv, scores);                                 \
+        float inverse_totals[u->rows * H];                                                     \
+        softmax(scores, u->rows * H, u->n, inverse_totals);                                    \
+        const long B = D == 64 ? 6 : 3; /* the values passes' blocks, below */                 \
+        for (long g = 0; g < sh->num_kv_heads; g++)                                            \
+            for (long q0 = 0; q0 < qv.count; q0 += B) {                                        \
+                if (D == 64)                                                                   \
+                    NAME##_values_4(v_cache, table, u, sh, &qv, g, q0, scores, inverse_totals, out); \
+                else                                                                           \
+                    NAME##_values_8(v_cache, table, u, sh, &qv, g, q0, scores, inverse_totals, out); \
+            }                                                                                  \
+        return 1;                                                                              \
+    }
+
+#define LOAD_SCALAR(T, x) (sizeof(T) == 2 ? bf16_to_f32((uint16_t)(x)) : (float)(x))
+
+BLOCKED_ATTENTION(v1e_attention_blocked_f32, float, load_f32, AS_FLOAT)
+BLOCKED_ATTENTION(v1e_attention_blocked_bf16, uint16_t, load_bf16, f32_to_bf16)
+
+#else /* no AVX-512: the per-key passes take every unit */
+
+int v1e_attention_blocked_f32(const float *q, const char *k_cache, const char *v_cache,
+                              const int32_t *table, const struct unit *u,
+                              const struct attention_shape *sh, float *scores, float *out)
+{
+    return 0;
+}
+
+int v1e_attention_blocked_bf16(const uint16_t *q, const char *k_cache, const char *v_cache,
+                               const int32_t *table, const struct unit *u,
+                               const struct attention_shape *sh, float *scores, uint16_t *out)
+{
+    return 0;
+}
+
+#endif
