@@ -1,6 +1,7 @@
 """CPU attention for prefills: our kernel (cpu_paged_attention.c, the CPU backend's) against the
 torch backend (keys gathered from the paged cache, then SDPA), one layer of the default model's
-shape (9 query heads over 3 KV heads, head size 64, blocks of 16), in one run.
+shape (9 query heads over 3 KV heads, head size 64; `--shape H,KVH,D` for another model's),
+blocks of 16, in one run.
 
     python scripts/bench_attention.py --repeats 7 --json attention.json
     python scripts/bench_attention.py --baseline-ref HEAD~1   # also the kernel built at HEAD~1
@@ -34,7 +35,7 @@ from v1engine.model.layers.torch_attention import TorchAttentionBackend
 from v1engine.worker.input_batch import BlockTable
 from v1engine.worker.model_inputs import build_common_attn_metadata, step_layout
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
+BLOCK_SIZE = 16
 DEFAULT_CASES = ["0+144x13", "0+256x4", "0+512x1", "0+1024x1", "0+2048x1", "1024+512x1"]
 
 
@@ -47,28 +48,40 @@ def parse_case(case: str) -> tuple[int, int, int]:
         raise SystemExit(f"bad case {case!r}: write CACHED+NEWxCOUNT, e.g. 0+512x1") from None
 
 
-def make_step(cached: int, new: int, count: int, dtype: torch.dtype):
-    """A step of `count` requests over caches of random keys and values: (query, caches,
-    CommonAttentionMetadata)."""
+def parse_shape(shape: str) -> tuple[int, int, int]:
+    try:
+        num_heads, num_kv_heads, head_size = (int(v) for v in shape.split(","))
+    except ValueError:
+        raise SystemExit(f"bad --shape {shape!r}: write H,KVH,D, e.g. 9,3,64") from None
+    if num_heads % num_kv_heads:
+        raise SystemExit(f"--shape {shape}: H must be a multiple of KVH")
+    return num_heads, num_kv_heads, head_size
+
+
+def make_step(cached: int, new: int, count: int, dtype: torch.dtype, shape: tuple):
+    """A step of `count` requests over caches of random keys and values, heads as `shape`
+    (H, KVH, D): (query, caches, CommonAttentionMetadata)."""
+    num_heads, num_kv_heads, head_size = shape
     blocks_each = -(-(cached + new) // BLOCK_SIZE)
-    shape = (blocks_each * count, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    caches = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    size = (blocks_each * count, BLOCK_SIZE, num_kv_heads, head_size)
+    caches = (torch.randn(size).to(dtype), torch.randn(size).to(dtype))
     layout = step_layout(np.full(count, cached), np.full(count, new))
     table = BlockTable(count, cached + new, BLOCK_SIZE)
     for row in range(count):
         table.set_row(row, list(range(row * blocks_each, (row + 1) * blocks_each)))
     query_start_loc = torch.from_numpy(layout.query_start_loc).to(torch.int32)
     [common] = build_common_attn_metadata([table], layout, query_start_loc, torch.device("cpu"))
-    query = torch.randn(count * new, NUM_HEADS, HEAD_SIZE).to(dtype)
+    query = torch.randn(count * new, num_heads, head_size).to(dtype)
     return query, caches, common
 
 
 def systems(common, caches, baseline: dict | None) -> dict:
     """name -> a call computing the step's attention."""
-    spec = FullAttentionSpec(BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, caches[0].dtype)
+    _, _, num_kv_heads, head_size = caches[0].shape
+    spec = FullAttentionSpec(BLOCK_SIZE, num_kv_heads, head_size, caches[0].dtype)
     torch_backend = TorchAttentionBackend()
     torch_metadata = torch_backend.build_metadata(common, spec)
-    scale = HEAD_SIZE**-0.5
+    scale = head_size**-0.5
     table = common.block_table[: common.num_reqs].to(torch.int32).contiguous()
     seq_lens = common.seq_lens.to(torch.int32).contiguous()
     starts = common.query_start_loc.to(torch.int32).contiguous()
@@ -90,7 +103,8 @@ def systems(common, caches, baseline: dict | None) -> dict:
 def measure_case(case: str, args, baseline: dict | None) -> dict:
     cached, new, count = parse_case(case)
     dtype = getattr(torch, args.dtype)
-    query, caches, common = make_step(cached, new, count, dtype)
+    shape = parse_shape(args.shape)
+    query, caches, common = make_step(cached, new, count, dtype, shape)
     calls = systems(common, caches, baseline)
     times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.inference_mode():
@@ -102,7 +116,7 @@ def measure_case(case: str, args, baseline: dict | None) -> dict:
                 times[name].append(time.perf_counter() - start)
     # rows x keys seen: row i of a request sees cached + i + 1 keys.
     pairs = count * (new * cached + new * (new + 1) // 2)
-    flops = 4 * pairs * HEAD_SIZE * NUM_HEADS
+    flops = 4 * pairs * shape[0] * shape[2]
     row: dict = {"case": case, "row_key_pairs": pairs}
     for name, samples in times.items():
         median = statistics.median(samples)
@@ -119,6 +133,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--shape", default="9,3,64", help="query heads, KV heads, head size")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--baseline-ref", default=None, help="git ref whose kernel is measured too")

@@ -3,11 +3,14 @@
 The kernel reads each request's keys in place through the block table (no gather, no padding to
 the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
 over a cached prefix. A decode step runs several times faster than the torch backend's gathered
-SDPA, and prefills faster up to about a thousand tokens (`scripts/bench_attention.py`, one
-SmolLM2 layer on the 2-core AVX-512 bench machine: 4.5 vs 12.5 ms for 13 prompts of 144 tokens,
-3.2 vs 4.9 for one of 512, 12.2 vs 14.0 for one of 1024, 15.8 vs 16.7 for 512 over a cached 1024,
-but 51 vs 47 for one of 2048). Its cost grows with rows x keys at a higher rate than SDPA's, so
-a step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs takes the torch backend. So
+SDPA, and prefills faster up to several hundred tokens (`scripts/bench_attention.py`, one layer
+on the 2-core AVX-512 bench machine; SmolLM2's heads: 4.5 vs 12.5 ms for 13 prompts of 144
+tokens, 3.2 vs 4.9 for one of 512, 12.2 vs 14.0 for one of 1024, 51 vs 47 for one of 2048).
+Each task's scores are its rows x heads x keys, so the kernel slows past L2 sooner with more
+heads: for 32 heads of 128 over 8 KV heads, 27-30 vs 29-39 ms at 512 tokens but 115 vs 94 at
+1024; over 32 KV heads (no blocked passes there) level at 512 (38-41 vs 34-41 ms, two runs) and
+185 vs 105 at 1024. A step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs therefore
+takes the torch backend. So
 do cache dtypes the kernel does not read (float16), V heads of another size than K's, and slots
 of -1 among a step's real rows. Chosen by default on CPU when the kernels build
 (`get_default_attention_backend`).
@@ -25,10 +28,11 @@ from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVC
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
-# Past this many row-key pairs in one request (query rows x keys), SDPA's blocked GEMMs beat the
-# kernel: about a 1024-token prompt from scratch (the crossover lies between 1024 and 2048;
-# scripts/bench_attention.py measures both).
-LONG_PREFILL_ATTENTIONS = 1024 * 1024
+# Past this many row-key pairs in one request (query rows x keys), SDPA's blocked GEMMs may beat
+# the kernel: a 512-token prompt from scratch. The kernel was faster there for every head shape
+# measured; the crossover lies between 512 and 1024 tokens for 7B-sized heads and between 1024
+# and 2048 for SmolLM2's (scripts/bench_attention.py --shape).
+LONG_PREFILL_ATTENTIONS = 512 * 512
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 
    The per-key passes (cpu_paged_attention.c) take one query vector at a time: each key's dot
    product is LANES partial sums folded by a shuffle tree, and each value is loaded once per
-   query vector, so a prefill's attention ran at about a fifth of the FMA peak (63 GFLOP/s for
-   13 prompts of 144 tokens, and past 256 tokens SDPA was faster). Here a group of 16 keys of one
+   query vector, so a prefill's attention ran at a fifth to a quarter of the FMA peak (60-83
+   GFLOP/s on one SmolLM2 layer, scripts/bench_attention.py). Here a group of 16 keys of one
    KV head is transposed once ([D][16], in L1) and every query vector of the unit that reads
    that KV head takes it: per dimension, one load of 16 keys and one broadcast of the query
    feed 16 scores, SCORE_BLOCK query vectors at a time, with no folding. The values pass keeps
@@ -48,14 +48,14 @@ static inline long query_index(const struct query_vectors *qv, long i, long g, l
     return qv->offset[i] + g * qv->G;
 }
 
-/* The rows [lo, hi) of 16 as a lane mask. */
+/* Lanes lo .. hi - 1 of 16 as a mask. */
 static inline __mmask16 lanes(long lo, long hi)
 {
     return hi > lo ? (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)) : 0;
 }
 
-/* scores of SCORE_BLOCK query vectors from q0 (the last repeated past the count) over the transposed
-   group kt [D][16]; stored for the rows each one sees, `count` keys from key i0. */
+/* The scores of SCORE_BLOCK query vectors from q0 (the last one repeated past the count) over
+   the transposed group kt [D][16], stored for the keys each one sees: `count` keys from i0. */
 static void score_block(const float *qf, const float *kt, const struct unit *u,
                         const struct attention_shape *sh, const struct query_vectors *qv, long g,
                         long q0, long i0, long count, float *scores)
@@ -84,12 +84,14 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
 }
 
 /* The weighted values of B query vectors from q0 over the unit's keys, scaled by their inverse
-   totals, into out; VECS vectors per head. */
+   totals, into out; `_values_` does every block of KV head g. VECS vectors per head. */
 #define VALUE_BLOCK(NAME, T, LOAD, STORE, VECS, B)                                             \
-    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,               \
-                                     const struct unit *u, const struct attention_shape *sh,   \
-                                     const struct query_vectors *qv, long g, long q0,          \
-                                     const float *weights, const float *inverse_totals, T *out) \
+    static void NAME##_value_block_##VECS(const char *v_cache, const int32_t *table,          \
+                                          const struct unit *u,                                \
+                                          const struct attention_shape *sh,                    \
+                                          const struct query_vectors *qv, long g, long q0,     \
+                                          const float *weights, const float *inverse_totals,   \
+                                          T *out)                                              \
     {                                                                                          \
         const long n = u->n;                                                                   \
         const long row_bytes = sh->num_kv_heads * VECS * 16 * sizeof(T);                       \
@@ -113,17 +115,28 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
                 for (int c = 0; c < VECS; c++) v[c] = (__m512)LOAD(value + c * 16);            \
                 for (int b = 0; b < B; b++) {                                                  \
                     const __m512 w = _mm512_set1_ps(p[b][i0 + j]);                             \
-                    for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]); \
+                    for (int c = 0; c < VECS; c++)                                             \
+                        acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]);                       \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (long b = 0; b < B && q0 + b < qv->count; b++) {                                          \
+        for (long b = 0; b < B && q0 + b < qv->count; b++) {                                   \
             float sums[VECS * 16];                                                             \
             const __m512 inverse = _mm512_set1_ps(inverse_totals[rh[b]]);                      \
             for (int c = 0; c < VECS; c++)                                                     \
                 _mm512_storeu_ps(sums + c * 16, _mm512_mul_ps(acc[b][c], inverse));            \
             for (long d = 0; d < VECS * 16; d++) out[rh[b] * VECS * 16 + d] = STORE(sums[d]);  \
         }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,               \
+                                     const struct unit *u, const struct attention_shape *sh,   \
+                                     const struct query_vectors *qv, long g,                   \
+                                     const float *weights, const float *inverse_totals, T *out) \
+    {                                                                                          \
+        for (long q0 = 0; q0 < qv->count; q0 += B)                                            \
+            NAME##_value_block_##VECS(v_cache, table, u, sh, qv, g, q0, weights,              \
+                                      inverse_totals, out);                                    \
     }
 
 #define BLOCKED_ATTENTION(NAME, T, LOAD, STORE)                                                \
@@ -135,7 +148,8 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
     {                                                                                          \
         for (long c = 0; c < D / 16; c++) {                                                    \
             __m512 r[16];                                                                      \
-            for (int j = 0; j < 16; j++) r[j] = (__m512)LOAD((const T *)rows[j] + g * D + c * 16); \
+            for (int j = 0; j < 16; j++)                                                       \
+                r[j] = (__m512)LOAD((const T *)rows[j] + g * D + c * 16);                      \
             transpose_16x16(r);                                                                \
             for (int d = 0; d < 16; d++) _mm512_store_ps(kt + (c * 16 + d) * 16, r[d]);       \
         }                                                                                      \
@@ -177,14 +191,12 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         NAME##_scores(qf, k_cache, table, u, sh, &qv, scores);                                 \
         float inverse_totals[u->rows * H];                                                     \
         softmax(scores, u->rows * H, u->n, inverse_totals);                                    \
-        const long B = D == 64 ? 6 : 3; /* the values passes' blocks, below */                 \
-        for (long g = 0; g < sh->num_kv_heads; g++)                                            \
-            for (long q0 = 0; q0 < qv.count; q0 += B) {                                        \
-                if (D == 64)                                                                   \
-                    NAME##_values_4(v_cache, table, u, sh, &qv, g, q0, scores, inverse_totals, out); \
-                else                                                                           \
-                    NAME##_values_8(v_cache, table, u, sh, &qv, g, q0, scores, inverse_totals, out); \
-            }                                                                                  \
+        for (long g = 0; g < sh->num_kv_heads; g++) {                                          \
+            if (D == 64)                                                                       \
+                NAME##_values_4(v_cache, table, u, sh, &qv, g, scores, inverse_totals, out);   \
+            else                                                                               \
+                NAME##_values_8(v_cache, table, u, sh, &qv, g, scores, inverse_totals, out);   \
+        }                                                                                      \
         return 1;                                                                              \
     }
 
