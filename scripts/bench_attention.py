@@ -9,11 +9,11 @@ blocks of 16, in one run.
 A case is `CACHED+NEW`x`COUNT`: COUNT requests, each computing NEW tokens after CACHED ones (0:
 a prompt from scratch; more: a chunk over a cached prefix). Each system runs every case
 `--repeats` times in alternating order; the table gives the median ms per layer, GFLOP/s (the
-causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the faster system.
-"pick" says which one the CPU backend takes for the case: its kernel up to
+causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the fastest system.
+"picks" says which one the CPU backend takes for the case: its kernel up to
 `cpu_attention_backend.LONG_PREFILL_ATTENTIONS` row-key pairs in one request, SDPA past it, a
-limit this benchmark is the measure for. With `--baseline-ref` every kernel output is also
-compared with the torch backend's (max abs difference).
+limit this benchmark is the measure for. Every kernel's output is also compared with the torch
+backend's (the JSON's max_abs_diff_vs_torch).
 """
 
 from __future__ import annotations
