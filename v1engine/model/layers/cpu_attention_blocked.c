@@ -35,16 +35,15 @@ static inline int blocked_attention_applies(const struct unit *u, const struct a
    g * G + i % G. Divided out once per unit (a division costs tens of cycles; a block of scores
    is a few hundred). */
 struct query_vectors {
-    long count, G, H;
+    long count, G;
     const long *row;    /* [count] */
     const long *offset; /* [count]: row * H + i % G, to which g * G is added */
 };
 
-/* Query vector min(i, count - 1) of KV head g: its row and its index r * H + h among the unit's. */
-static inline long query_index(const struct query_vectors *qv, long i, long g, long *row)
+/* Query vector min(i, count - 1) of KV head g: its index r * H + h among the unit's. */
+static inline long query_index(const struct query_vectors *qv, long i, long g)
 {
     i = i < qv->count ? i : qv->count - 1;
-    *row = qv->row[i];
     return qv->offset[i] + g * qv->G;
 }
 
@@ -64,8 +63,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
     const float *query[SCORE_BLOCK];
     __m512 acc[SCORE_BLOCK];
     for (int b = 0; b < SCORE_BLOCK; b++) {
-        long row;
-        query[b] = qf + query_index(qv, q0 + b, g, &row) * D;
+        query[b] = qf + query_index(qv, q0 + b, g) * D;
         acc[b] = _mm512_setzero_ps();
     }
     for (long d = 0; d < D; d++) {
@@ -75,11 +73,10 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
     }
     const __m512 hidden = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(sh->scale);
     for (long b = 0; b < SCORE_BLOCK && q0 + b < qv->count; b++) {
-        long row, j0, j1;
-        const long index = query_index(qv, q0 + b, g, &row);
-        seen(u, row, i0, count, &j0, &j1);
+        long j0, j1;
+        seen(u, qv->row[q0 + b], i0, count, &j0, &j1);
         __m512 s = _mm512_mask_blend_ps(lanes(j0, j1), hidden, _mm512_mul_ps(acc[b], scale));
-        _mm512_mask_storeu_ps(scores + index * n + i0, lanes(0, count), s);
+        _mm512_mask_storeu_ps(scores + query_index(qv, q0 + b, g) * n + i0, lanes(0, count), s);
     }
 }
 
@@ -99,8 +96,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         long rh[B];                                                                            \
         __m512 acc[B][VECS];                                                                   \
         for (int b = 0; b < B; b++) {                                                          \
-            long row;                                                                          \
-            rh[b] = query_index(qv, q0 + b, g, &row);                                          \
+            rh[b] = query_index(qv, q0 + b, g);                                                \
             p[b] = weights + rh[b] * n;                                                        \
             for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_setzero_ps();                    \
         }                                                                                      \
@@ -139,9 +135,10 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
                                       inverse_totals, out);                                    \
     }
 
-#define BLOCKED_ATTENTION(NAME, T, LOAD, STORE)                                                \
-    VALUE_BLOCK(NAME, T, LOAD, STORE, 4, 6)                                                    \
-    VALUE_BLOCK(NAME, T, LOAD, STORE, 8, 3)                                                    \
+/* LOAD: an element -> float; VECTOR_LOAD: 16 elements -> a vector; STORE: float -> element. */
+#define BLOCKED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE)                                   \
+    VALUE_BLOCK(NAME, T, VECTOR_LOAD, STORE, 4, 6)                                             \
+    VALUE_BLOCK(NAME, T, VECTOR_LOAD, STORE, 8, 3)                                             \
                                                                                                \
     /* The 16 keys at rows[], KV head g, as kt[d][16] (transposed 16 x 16 at a time). */       \
     static void NAME##_transposed_keys(const char *const *rows, long g, long D, float *kt)     \
@@ -149,7 +146,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         for (long c = 0; c < D / 16; c++) {                                                    \
             __m512 r[16];                                                                      \
             for (int j = 0; j < 16; j++)                                                       \
-                r[j] = (__m512)LOAD((const T *)rows[j] + g * D + c * 16);                      \
+                r[j] = (__m512)VECTOR_LOAD((const T *)rows[j] + g * D + c * 16);               \
             transpose_16x16(r);                                                                \
             for (int d = 0; d < 16; d++) _mm512_store_ps(kt + (c * 16 + d) * 16, r[d]);       \
         }                                                                                      \
@@ -185,9 +182,9 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
             row_of[i] = i / G;                                                                 \
             offset_of[i] = row_of[i] * H + i % G;                                              \
         }                                                                                      \
-        const struct query_vectors qv = {u->rows * G, G, H, row_of, offset_of};                \
+        const struct query_vectors qv = {u->rows * G, G, row_of, offset_of};                   \
         float qf[u->rows * H * D];                                                             \
-        for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD_SCALAR(T, q[i]);               \
+        for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD(q[i]);                         \
         NAME##_scores(qf, k_cache, table, u, sh, &qv, scores);                                 \
         float inverse_totals[u->rows * H];                                                     \
         softmax(scores, u->rows * H, u->n, inverse_totals);                                    \
@@ -200,10 +197,8 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         return 1;                                                                              \
     }
 
-#define LOAD_SCALAR(T, x) (sizeof(T) == 2 ? bf16_to_f32((uint16_t)(x)) : (float)(x))
-
-BLOCKED_ATTENTION(v1e_attention_blocked_f32, float, load_f32, AS_FLOAT)
-BLOCKED_ATTENTION(v1e_attention_blocked_bf16, uint16_t, load_bf16, f32_to_bf16)
+BLOCKED_ATTENTION(v1e_attention_blocked_f32, float, AS_FLOAT, load_f32, AS_FLOAT)
+BLOCKED_ATTENTION(v1e_attention_blocked_bf16, uint16_t, bf16_to_f32, load_bf16, f32_to_bf16)
 
 #else /* no AVX-512: the per-key passes take every unit */
 
