@@ -6,6 +6,7 @@ same way from a git ref's C sources into a temporary folder, both bound as the e
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import subprocess
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from v1engine.model.layers import cpu_kernel_library
-from v1engine.model.layers.cpu_kernels import linear_with
+from v1engine.model.layers.cpu_kernels import linear_with, pack_weight
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAYERS = os.path.relpath(os.path.dirname(cpu_kernel_library.__file__), _REPO)
@@ -53,9 +54,27 @@ def library(ref: str | None, workdir: str) -> dict[tuple[str, torch.dtype | None
     return cpu_kernel_library.bind_kernels(ctypes.CDLL(path))
 
 
-def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Callable]:
+def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Kernel]:
     """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) from `library(ref, ...)`,
     called as the engine calls them (`cpu_kernels.linear_with`)."""
     kernels = library(ref, workdir)
-    names = ("gemv", "gemm") if dtype == torch.float32 else ("gemv",)
-    return {f"cpu_{name}": functools.partial(linear_with, kernels[name, dtype]) for name in names}
+    built = {"cpu_gemv": Kernel(functools.partial(linear_with, kernels["gemv", dtype]))}
+    if dtype == torch.float32:
+        gemm = functools.partial(linear_with, kernels["gemm", dtype])
+        if ("pack_weight", dtype) in kernels:  # packed weights since the gemm of 2026-11-27
+            built["cpu_gemm"] = Kernel(
+                lambda x, packed: gemm(x, packed[0], None, packed[1]),
+                lambda weight: (pack_weight(weight, kernels), weight.shape[0]),
+            )
+        else:
+            built["cpu_gemm"] = Kernel(gemm)
+    return built
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A matmul as a benchmark times it: `run(x, prepare(weight))`, where `prepare` does once
+    per weight what the engine does at load time (packing it, for the float32 gemm)."""
+
+    run: Callable
+    prepare: Callable = lambda weight: weight

@@ -1,9 +1,9 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
 `F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`), our gemv (`cpu_gemv.c`)
-and our tiled gemm (`cpu_gemm.c`, float32), at decode-sized and prefill-sized token counts.
-`linear` uses the gemv up to `cpu_kernels.max_gemv_tokens` rows, the gemm up to
-`max_gemm_tokens`, then MKL (float32 on Intel CPUs) or oneDNN. After each token count, one line
-sums a whole SmolLM2 step: 30 layers of the four projections plus the LM head.
+and our gemm on packed weights (`cpu_gemm.c`, float32), at decode-sized and prefill-sized token
+counts. `linear` uses the gemm up to `cpu_kernels.max_gemm_tokens` rows for float32, the gemv up
+to `max_gemv_tokens` for bfloat16, then MKL (float32 on Intel CPUs) or oneDNN. After each token
+count, one line sums a whole SmolLM2 step: 30 layers of the four projections plus the LM head.
 
     python scripts/bench_gemm.py --repeats 5 --json gemm.json
 
@@ -12,13 +12,14 @@ last-level cache), so each kernel cycles through copies of the weight that toget
 `--weights-mb` (default 256 MB, several times any L3). Each (shape, tokens) is timed for every
 kernel in alternating order, `--repeats` times `--calls` calls; the table gives the median time
 per call, the weight bytes read per second (what bounds decode) and GFLOP/s (what bounds prefill).
+The gemm's weights are packed before the timing, as the engine packs them once at load time.
 `cpu_gemv` runs only up to `--gemv-max-tokens` rows (default 16: it is built for a few),
 `cpu_gemm` up to `--gemm-max-tokens` (default 128).
 
 `--baseline-ref REF` also builds our two kernels from git REF's C sources and from the working
 tree's, with the library's flags, and measures both builds in the same alternating rounds
 (`cpu_gemv@tree` against `cpu_gemv@REF`, ...); each row then says whether the two builds gave
-the same bits.
+the same bits. A ref from before the packed gemm runs its gemm on the plain weights.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _kernel_builds import Kernel, build
 
 from v1engine.model.layers import cpu_kernels
 
@@ -51,10 +53,13 @@ def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 KERNELS = {
-    "F.linear": F.linear,
-    "oneDNN": onednn,
-    "cpu_gemv": cpu_kernels.gemv,
-    "cpu_gemm": cpu_kernels.gemm,
+    "F.linear": Kernel(F.linear),
+    "oneDNN": Kernel(onednn),
+    "cpu_gemv": Kernel(cpu_kernels.gemv),
+    "cpu_gemm": Kernel(
+        lambda x, packed: cpu_kernels.gemm(x, packed[0], packed[1]),
+        lambda weight: (cpu_kernels.pack_weight(weight), weight.shape[0]),
+    ),
 }
 NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
@@ -69,8 +74,6 @@ def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
 
 def add_builds(args: argparse.Namespace, workdir: str) -> None:
     """Registers our kernels built from the working tree and from `--baseline-ref`."""
-    from _kernel_builds import build
-
     dtype = getattr(torch, args.dtype)
     # The tree's build replaces cpu_kernels' entries (the same code), so each is timed once.
     del KERNELS["cpu_gemv"], KERNELS["cpu_gemm"]
@@ -86,16 +89,16 @@ def same_bits(row: dict, x: torch.Tensor, weight: torch.Tensor, kernels: list[st
         for name in ("cpu_gemv", "cpu_gemm"):
             tree, base = f"{name}@tree", f"{name}@{ref}"
             if tree in kernels and base in kernels:
-                row["same_bits"][name] = torch.equal(
-                    KERNELS[tree](x, weight), KERNELS[base](x, weight)
-                )
+                outputs = [k.run(x, k.prepare(weight)) for k in (KERNELS[tree], KERNELS[base])]
+                row["same_bits"][name] = torch.equal(*outputs)
 
 
-def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], calls: int) -> float:
-    fn(x, weights[0])  # warm-up: oneDNN builds its kernel on the first call of a shape
+def time_calls(kernel: Kernel, x: torch.Tensor, weights: list, calls: int) -> float:
+    """Seconds per call of `kernel` on x, cycling through `weights` (prepared for it)."""
+    kernel.run(x, weights[0])  # warm-up: oneDNN builds its kernel on the first call of a shape
     start = time.perf_counter()
     for i in range(calls):
-        fn(x, weights[i % len(weights)])
+        kernel.run(x, weights[i % len(weights)])
     return (time.perf_counter() - start) / calls
 
 
@@ -108,9 +111,11 @@ def measure_shape(args, name: str, in_features: int, out_features: int, tokens: 
     kernels = kernels_for(args, tokens)
     times: dict[str, list[float]] = {k: [] for k in kernels}
     with torch.inference_mode():
+        prepared = {k: [KERNELS[k].prepare(w) for w in weights] for k in kernels}
         for repeat in range(args.repeats):
             for kernel in kernels[:: 1 if repeat % 2 == 0 else -1]:
-                times[kernel].append(time_calls(KERNELS[kernel], x, weights, args.calls))
+                times[kernel].append(time_calls(KERNELS[kernel], x, prepared[kernel], args.calls))
+        del prepared
     row = {"shape": name, "tokens": tokens, "in": in_features, "out": out_features}
     same_bits(row, x, weights[0], kernels, args.baseline_ref)
     for kernel, samples in times.items():

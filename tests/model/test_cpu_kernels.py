@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from v1engine.model.layers import cpu_kernel_library, cpu_kernels
 from v1engine.model.layers import linear as linear_module
 from v1engine.model.layers.layernorm import RMSNorm
-from v1engine.model.layers.linear import linear
+from v1engine.model.layers.linear import linear, max_kernel_tokens
 from v1engine.model.layers.torch_attention import write_kv_cache
 
 pytestmark = pytest.mark.skipif(
@@ -38,20 +38,22 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-# Token panels of 1-3 vectors (16 lanes with AVX-512, 8 otherwise) and partial ones, and with
-# AVX-512 the 6-row tiles of 4 vectors past 48 rows (49, 64, 100: 64 + 36); tiles of weight rows
-# with a partial last one (33 outputs); k with and without a vector tail.
-@pytest.mark.parametrize("rows", [1, 9, 16, 17, 40, 48, 49, 64, 100])
+# Blocks of 8 tokens with AVX-512 (4 otherwise): below, at and past one, and many; panels of 48
+# outputs (24 otherwise): a partial one alone (33) and after full ones (97, and 48 + 24 without
+# AVX-512); k with and without a vector tail.
+@pytest.mark.parametrize("rows", [1, 4, 7, 8, 9, 17, 64, 100])
 @pytest.mark.parametrize("in_features", [1, 37, 600])
+@pytest.mark.parametrize("out_features", [33, 97])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_matches_f_linear(rows, in_features, with_bias):
+def test_gemm_on_packed_weights_matches_f_linear(rows, in_features, out_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=generator)
-    weight = torch.randn(33, in_features, generator=generator)
-    bias = torch.randn(33, generator=generator) if with_bias else None
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    out = cpu_kernels.gemm(x, weight, bias)
-    assert out.shape == (rows, 33) and out.dtype == torch.float32
+    packed = cpu_kernels.pack_weight(weight)
+    out = cpu_kernels.gemm(x, packed, out_features, bias)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -59,9 +61,19 @@ def test_gemm_rows_do_not_depend_on_the_batch():
     # One multiply-add chain per output: a row's bits are the same alone or among 63 others.
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(64, 96, generator=generator), torch.randn(40, 96, generator=generator)
-    batched = cpu_kernels.gemm(x, weight)
+    packed = cpu_kernels.pack_weight(weight)
+    batched = cpu_kernels.gemm(x, packed, 40)
     for row in (0, 17, 63):
-        assert torch.equal(cpu_kernels.gemm(x[row : row + 1], weight)[0], batched[row])
+        assert torch.equal(cpu_kernels.gemm(x[row : row + 1], packed, 40)[0], batched[row])
+
+
+def test_packed_weights_are_panels_of_outputs_k_major_zero_padded():
+    width = cpu_kernels.kernel("gemm_panel_width")()
+    weight = torch.randn(width + 5, 7)
+    panels = cpu_kernels.pack_weight(weight).view(2, 7, width)
+    assert torch.equal(panels[0], weight[:width].T)
+    assert torch.equal(panels[1, :, :5], weight[width:].T)
+    assert not panels[1, :, 5:].any()
 
 
 def test_gemv_keeps_leading_dimensions():
@@ -80,28 +92,38 @@ def test_bfloat16_nan_stays_nan():
 
 def test_linear_sends_decode_sized_inputs_to_the_kernels_and_larger_ones_elsewhere():
     weight = torch.randn(24, 40)
-    for dtype in (torch.float32, torch.bfloat16):
-        most_gemv = cpu_kernels.max_gemv_tokens(dtype)
-        most = max(most_gemv, cpu_kernels.max_gemm_tokens(dtype))
-        w = weight.to(dtype)
-        with torch.inference_mode():
-            for rows in (1, most_gemv):
-                x = torch.randn(rows, 40).to(dtype)
-                assert torch.equal(linear(x, w), cpu_kernels.gemv(x, w))
-            for rows in range(most_gemv + 1, most + 1, 7):
-                x = torch.randn(rows, 40).to(dtype)
-                assert torch.equal(linear(x, w), cpu_kernels.gemm(x, w))
-            # Past the kernels: MKL (F.linear) for float32 on Intel CPUs, else oneDNN.
-            x = torch.randn(most + 1, 40).to(dtype)
-            if dtype == torch.float32 and linear_module._mkl_is_faster():
-                assert torch.equal(linear(x, w), F.linear(x, w))
+    packed = cpu_kernels.pack_weight(weight)
+    with torch.inference_mode():
+        # float32: the gemm on the packed weight, from one row to max_gemm_tokens.
+        most = cpu_kernels.max_gemm_tokens(torch.float32)
+        assert cpu_kernels.max_gemv_tokens(torch.float32) == 0
+        for rows in (1, 2, 9, most):
+            x = torch.randn(rows, 40)
+            assert torch.equal(linear(x, weight, packed=packed), cpu_kernels.gemm(x, packed, 24))
+        # bfloat16: the gemv, up to max_gemv_tokens.
+        w = weight.to(torch.bfloat16)
+        for rows in (1, cpu_kernels.max_gemv_tokens(torch.bfloat16)):
+            x = torch.randn(rows, 40).to(torch.bfloat16)
+            assert torch.equal(linear(x, w), cpu_kernels.gemv(x, w))
+        # Past the kernels, or a float32 layer without its packed weight: MKL (F.linear) for
+        # float32 on Intel CPUs, else oneDNN.
+        past = max_kernel_tokens(torch.bfloat16) + 1
+        cases = (
+            (torch.randn(most + 1, 40), weight, packed),
+            (torch.randn(1, 40), weight, None),
+            (torch.randn(past, 40).to(torch.bfloat16), w, None),
+        )
+        for x, w, p in cases:
+            out = linear(x, w, packed=p)
+            if w.dtype == torch.float32 and linear_module._mkl_is_faster():
+                assert torch.equal(out, F.linear(x, w))
             elif linear_module._onednn_linear_works():
                 onednn = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                assert torch.equal(linear(x, w), onednn)
+                assert torch.equal(out, onednn)
     # The kernels have no backward: inputs that autograd records take torch's path.
-    for rows in (1, cpu_kernels.max_gemm_tokens(torch.float32)):
+    for rows in (1, most):
         grad_input = torch.randn(rows, 40, requires_grad=True)
-        linear(grad_input, weight).sum().backward()
+        linear(grad_input, weight, packed=packed).sum().backward()
         torch.testing.assert_close(grad_input.grad, weight.sum(0).expand(rows, 40))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from v1engine.logger import init_logger
 from v1engine.model.hf_config import get_architecture, prepare_checkpoint
+from v1engine.model.layers.linear import pack_cpu_weights
 from v1engine.model.models.registry import get_model_class
 from v1engine.model.parallel_state import get_tp_rank
 from v1engine.model.weight_utils import WeightSource
@@ -95,6 +96,7 @@ def load_model(
         model = model_cls(hf_config, dtype)
     # Slices are read on CPU and copied into the device parameters shard by shard.
     model.load_weights(iterate_weights(files))
+    pack_cpu_weights(model)
     model.eval()
     logger.debug("Loaded %s from %s on %s", model_cls.__name__, checkpoint_dir, device)
     return model

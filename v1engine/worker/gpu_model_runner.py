@@ -31,6 +31,7 @@ from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers, set_forward_context
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
+from v1engine.model.layers.linear import packed_weight_bytes
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
@@ -101,8 +102,10 @@ class GPUModelRunner:
         self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
         self.attn_layers = get_attention_layers(self.model)
         self.attn_backend = get_default_attention_backend(self.device.type)
-        # parameters() yields a tied weight once.
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # parameters() yields a tied weight once; the CPU gemm's packed copies are not parameters.
+        self.weights_bytes = sum(
+            p.numel() * p.element_size() for p in self.model.parameters()
+        ) + packed_weight_bytes(self.model)
         info_once(
             logger,
             "Loaded %s (%s, %s attention) in %.2f s: %.3f GiB of weights per rank",

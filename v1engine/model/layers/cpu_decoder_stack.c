@@ -21,7 +21,8 @@
 
 #include "cpu_kernels.h"
 
-/* One layer's weights (bias, q_norm, k_norm may be NULL) and caches; all contiguous. */
+/* One layer's weights (bias, q_norm, k_norm may be NULL) and caches; all contiguous. The matmul
+   weights of a float32 model are the packed copies (v1e_pack_weight_f32). */
 struct v1e_decoder_layer {
     const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
     const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
@@ -33,7 +34,6 @@ struct v1e_decoder_layer {
 struct v1e_decoder_shape {
     long hidden, num_heads, num_kv_heads, head_size, intermediate;
     float eps, scale;
-    long gemv_max_tokens; /* cpu_kernels.max_gemv_tokens: up to it gemv, past it gemm */
 };
 
 /* The step: `tokens` query rows of `num_seqs` sequences, and per KV cache group g their slots,
@@ -60,25 +60,19 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
     return (struct widths){q, kv, q + 2 * kv};
 }
 
-/* y = x W^T (+ b) by the kernel linear.py picks for M rows, so that the stack's bits are the
-   layers'. Returns nonzero if gemm could not allocate. The Python side sends bfloat16 steps here
-   only up to gemv_max_tokens (there is no bfloat16 gemm). */
-static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const void *w,
-                      const void *b, float *y, long M, long N, long K)
+/* y = x W^T (+ b) by the kernel linear.py picks for these rows, so that the stack's bits are the
+   layers': the gemm on packed weights for float32 (the layer table holds the packed copies), the
+   gemv for bfloat16 (the Python side sends bfloat16 steps here only up to its rows). */
+static void matmul_f32(const float *x, const void *w, const void *b, float *y, long M, long N,
+                       long K)
 {
-    if (M <= sh->gemv_max_tokens) {
-        v1e_gemv_f32(x, w, b, y, M, N, K);
-        return 0;
-    }
-    return v1e_gemm_f32(x, w, b, y, M, N, K);
+    v1e_gemm_f32(x, w, b, y, M, N, K);
 }
 
-static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, const void *w,
-                       const void *b, uint16_t *y, long M, long N, long K)
+static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_t *y, long M,
+                        long N, long K)
 {
-    (void)sh;
     v1e_gemv_bf16(x, w, b, y, M, N, K);
-    return 0;
 }
 
 #define DECODER_STACK(S, T, LOAD, STORE)                                                       \
@@ -94,7 +88,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     }                                                                                          \
                                                                                                \
     /* qkv -> the rotated q [M, H, D] and k [M, KVH, D]; q/k normalized per head first. */     \
-    static void rotated_qk_##S(const struct v1e_decoder_layer *L,                             \
+    static void rotated_qk_##S(const struct v1e_decoder_layer *L,                              \
                                const struct v1e_decoder_shape *sh, const struct widths *w,     \
                                const struct v1e_decode_step *st, struct buffers_##S *b)        \
     {                                                                                          \
@@ -120,8 +114,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
                                    const struct v1e_decode_step *st, struct buffers_##S *b)    \
     {                                                                                          \
         const long M = st->tokens, g = L->kv_cache_group;                                      \
-        if (matmul_##S(sh, b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden))    \
-            return 1;                                                                          \
+        matmul_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden);           \
         rotated_qk_##S(L, sh, w, st, b);                                                       \
         v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
                      L->v_cache, st->slots[g], M, w->kv * sizeof(T), w->qkv * sizeof(T),       \
@@ -132,26 +125,23 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
                                     sh->head_size, L->block_size, st->table_strides[g],        \
                                     L->window, sh->scale))                                     \
             return 1;                                                                          \
-        if (matmul_##S(sh, b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q)) return 1;  \
+        matmul_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q);                     \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
         return 0;                                                                              \
     }                                                                                          \
                                                                                                \
-    static int mlp_block_##S(const struct v1e_decoder_layer *L,                                \
+    static void mlp_block_##S(const struct v1e_decoder_layer *L,                               \
                              const struct v1e_decoder_shape *sh, long M, struct buffers_##S *b) \
     {                                                                                          \
         const long I = sh->intermediate;                                                       \
-        if (matmul_##S(sh, b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I,     \
-                       sh->hidden))                                                            \
-            return 1;                                                                          \
+        matmul_##S(b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I, sh->hidden); \
         v1e_silu_and_mul_##S(b->gate_up, b->act, M, I);                                        \
-        if (matmul_##S(sh, b->act, L->down_weight, NULL, b->x, M, sh->hidden, I)) return 1;    \
+        matmul_##S(b->act, L->down_weight, NULL, b->x, M, sh->hidden, I);                      \
         if (L->down_bias) add_bias_##S(b->x, L->down_bias, M, sh->hidden);                     \
-        return 0;                                                                              \
     }                                                                                          \
                                                                                                \
     /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
-    static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,       \
+    static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,        \
                             long M, struct buffers_##S *b)                                     \
     {                                                                                          \
         const long H = sh->hidden, I = sh->intermediate;                                       \
@@ -162,7 +152,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
         long total = 0;                                                                        \
         for (long i = 0; i < n; i++) total += M * sizes[i];                                    \
         T *p = malloc(sizeof(T) * total);                                                      \
-        for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                   \
+        for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                    \
         return p != NULL;                                                                      \
     }                                                                                          \
                                                                                                \
@@ -186,7 +176,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
                                  sh->eps);                                                     \
             if ((failed = attention_block_##S(L, sh, &w, st, &b))) break;                      \
             v1e_rms_norm_##S(b.x, b.residual, L->post_norm, b.residual, b.h, M, H, sh->eps);   \
-            if ((failed = mlp_block_##S(L, sh, M, &b))) break;                                 \
+            mlp_block_##S(L, sh, M, &b);                                                       \
         }                                                                                      \
         if (!failed)                                                                           \
             v1e_rms_norm_##S(b.x, b.residual, final_norm, b.residual, out, M, H, sh->eps);     \

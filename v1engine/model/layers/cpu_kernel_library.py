@@ -58,9 +58,12 @@ _TYPED = {
     "silu_and_mul": ([_P] * 2 + [_N] * 2, None),
     "decoder_stack": ([_P, _N] + [_P] * 5, ctypes.c_int),
 }
-_UNTYPED = {"write_kv": ([_P] * 5 + [_N] * 4, None)}
+_UNTYPED = {
+    "write_kv": ([_P] * 5 + [_N] * 4, None),
+    "gemm_panel_width": ([], ctypes.c_long),
+}
 # Kernels that exist for float32 only (v1e_<name>_f32).
-_FLOAT32 = {"gemm": ([_P] * 4 + [_N] * 3, ctypes.c_int)}
+_FLOAT32 = {"gemm": ([_P] * 4 + [_N] * 3, None), "pack_weight": ([_P] * 2 + [_N] * 2, None)}
 
 
 @functools.cache
@@ -86,7 +89,9 @@ def bind_kernels(library: ctypes.CDLL) -> dict[tuple[str, torch.dtype | None], c
         symbols[name, torch.float32] = (f"v1e_{name}_f32", signature)
     kernels = {}
     for key, (symbol, (argtypes, restype)) in symbols.items():
-        function = getattr(library, symbol)
+        function = getattr(library, symbol, None)
+        if function is None:  # a build of older sources (bench --baseline-ref) lacks newer ones
+            continue
         function.argtypes, function.restype = argtypes, restype
         kernels[key] = function
     return kernels

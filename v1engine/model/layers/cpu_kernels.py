@@ -1,10 +1,10 @@
-"""Our compiled CPU kernels for decode steps, as torch ops: the matmul of a few tokens
-(`cpu_gemv.c`) and of a few dozen (`cpu_gemm.c`), paged attention and its K/V write
-(`cpu_paged_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
-SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
-times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
-dozen tokens, reach half their prefill GFLOP/s), the small ops are several dispatches each
-(`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
+"""Our compiled CPU kernels for decode steps, as torch ops: the matmul of up to a few dozen
+tokens (`cpu_gemm.c`, float32, on weights packed at load time; `cpu_gemv.c`, bfloat16), paged
+attention and its K/V write (`cpu_paged_attention.c`), RMSNorm with its residual add
+(`cpu_rms_norm.c`), rotary embedding and SiLU-and-mul (`cpu_elementwise.c`). At decode sizes
+torch and oneDNN run each of these several times slower: the matmuls read the weights at half the
+memory bandwidth or less (or, at a few dozen tokens, reach half their prefill GFLOP/s), the small
+ops are several dispatches each (`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
 
 The library is built on first use (`cpu_kernel_library.py`) and checked against torch once per
 process (`cpu_kernel_probe.py`); callers ask `applies(...)` and otherwise stay on torch/oneDNN.
@@ -23,17 +23,17 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
 
 logger = init_logger(__name__)
 
-# Up to this many rows our gemv beats the other kernels (scripts/bench_gemm.py, the SmolLM2 step's
-# matmuls and LM head, 2-core AVX-512 Xeon). float32: 38 vs 43 ms for our gemm at 5 rows; from 6
-# the gemm wins (43 vs 47 ms at 6, 44 vs 55 at 7, 44 vs 47 at 8): the gemv's four dot products per
-# pass are latency-bound, and rows past a multiple of four go one at a time. bfloat16 (no gemm):
-# against oneDNN, level at 4 and 14% slower at 5, as the gemv widens every element.
-_MAX_GEMV_TOKENS = {torch.float32: 5, torch.bfloat16: 4}
+# Up to this many rows our gemv beats the other kernels for bfloat16 (scripts/bench_gemm.py, the
+# SmolLM2 step's matmuls and LM head, 2-core AVX-512 Xeon): against oneDNN, level at 4 and 14%
+# slower at 5, as the gemv widens every element. float32 has none: the gemm on packed weights is
+# faster from 1 row (28 vs 31 ms for the step at 1 row, 31 vs 41-47 at 2 to 5).
+_MAX_GEMV_TOKENS = {torch.bfloat16: 4}
 
 
-# Up to this many rows (float32 only) our tiled matmul beats oneDNN and MKL (scripts/bench_gemm.py,
-# the SmolLM2 step's matmuls, weights from memory, 2-core Xeon with AVX-512: 48 vs 71 ms at 16
-# rows, 58 vs 90 at 32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96).
+# Up to this many rows (float32 only) our matmul on packed weights beats oneDNN and MKL
+# (scripts/bench_gemm.py, the SmolLM2 step's matmuls, weights from memory, 2-core Xeon with
+# AVX-512: 35 vs 67 ms for oneDNN at 16 rows, 49 vs 83 at 32, 88-91 vs 125 for MKL at 64). Past it
+# MKL's sgemm, on the weight in nn.Linear's layout, which the layers keep beside the packed copy.
 _MAX_GEMM_TOKENS = {torch.float32: 64}
 
 
@@ -93,22 +93,45 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return linear_with(kernel("gemv", x.dtype), x, weight, bias)
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for a few
-    dozen: `max_gemm_tokens`); weight and bias contiguous. Each output row depends only on its
-    own input row."""
-    return linear_with(kernel("gemm", x.dtype), x, weight, bias)
+def pack_weight(weight: torch.Tensor, kernels: dict | None = None) -> torch.Tensor:
+    """float32 weight [N, K] (contiguous) as `gemm` reads it: panels of
+    `v1e_gemm_panel_width()` outputs, k-major, zero padded (cpu_gemm.c), in a flat tensor.
+    `kernels`: another build's table (`cpu_kernel_library.bind_kernels`), for benchmarks."""
+    kernels = load_kernels() if kernels is None else kernels
+    out_features, in_features = weight.shape
+    width = kernels["gemm_panel_width", None]()
+    panels = -(-out_features // width)
+    packed = torch.empty(panels * in_features * width, dtype=torch.float32)
+    kernels["pack_weight", torch.float32](
+        weight.data_ptr(), packed.data_ptr(), out_features, in_features
+    )
+    return packed
+
+
+def gemm(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for up to
+    `max_gemm_tokens`), with `packed = pack_weight(weight)`; bias contiguous. Each output row
+    depends only on its own input row."""
+    return linear_with(kernel("gemm", x.dtype), x, packed, bias, out_features)
 
 
 def linear_with(
-    function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    function,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """`F.linear` through `function`, a bound gemv or gemm (`kernel(...)`, or
-    `cpu_kernel_library.bind_kernels` of another build)."""
-    out_features, in_features = weight.shape
+    `cpu_kernel_library.bind_kernels` of another build); weight [N, K], or packed with
+    `out_features` N."""
+    in_features = x.shape[-1]
+    out_features = weight.shape[0] if out_features is None else out_features
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    failed = function(
+    function(
         rows.data_ptr(),
         weight.data_ptr(),
         data_pointer(bias),
@@ -117,8 +140,6 @@ def linear_with(
         out_features,
         in_features,
     )
-    if failed:  # only gemm allocates (its packed copy of x); gemv returns nothing
-        raise MemoryError("the gemm kernel could not allocate its packed copy of the input")
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -39,7 +39,10 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """Holds `weight` [output_size_per_rank, input_size_per_rank] and an optional bias."""
+    """Holds `weight` [output_size_per_rank, input_size_per_rank] and an optional bias, and on
+    CPU in float32 the weight packed for our gemm (`pack_cpu_weights`)."""
+
+    packed_weight: torch.Tensor | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -76,7 +79,7 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param, narrow_weight(loaded, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.bias, self.packed_weight)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -167,7 +170,7 @@ class RowParallelLinear(LinearBase):
         copy_weight(param, narrow_weight(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight, packed=self.packed_weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -176,19 +179,24 @@ class RowParallelLinear(LinearBase):
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
 # or less, and at a few dozen reach half the GFLOP/s they get on a prefill. Our own kernels do
-# better there (`scripts/bench_gemm.py` measures all of them): `cpu_gemv.c` streams the weights
-# near the bandwidth for up to `cpu_kernels.max_gemv_tokens` rows (float32 and bfloat16), and
-# `cpu_gemm.c` tiles up to `max_gemm_tokens` rows (float32). Larger inputs go through oneDNN's
-# linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for linear layers),
-# except float32 on Intel CPUs, where MKL's sgemm is the faster of the two (2-core Xeon with
-# AVX-512, the SmolLM2 step's matmuls: 3-4% at 128-512 rows, 10-14% at 1024-2048). All of them
-# read plain weights, so tensor-parallel shards and tied embeddings need no repacking. Anywhere
-# else, where none is available, or where autograd must see the op (our kernels have no
-# backward), `F.linear`.
+# better there (`scripts/bench_gemm.py` measures all of them): `cpu_gemm.c` for float32 up to
+# `cpu_kernels.max_gemm_tokens` rows, on the weight packed once after loading
+# (`pack_cpu_weights`), and `cpu_gemv.c` for bfloat16 up to `max_gemv_tokens`. Larger inputs go
+# through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for
+# linear layers), except float32 on Intel CPUs, where MKL's sgemm is the faster of the two
+# (2-core Xeon with AVX-512, the SmolLM2 step's matmuls: 3-4% at 128-512 rows, 10-14% at
+# 1024-2048); both read the plain weight. Anywhere else, where none is available, or where
+# autograd must see the op (our kernels have no backward), `F.linear`.
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in_features], weight [out_features, in_features] -> [..., out_features]."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in_features], weight [out_features, in_features] -> [..., out_features]; `packed`
+    is the weight as `cpu_kernels.pack_weight` lays it out, if the layer has it."""
     if not cpu_kernels.cpu_inputs(x, weight, bias):  # oneDNN's linear reads the same inputs
         return F.linear(x, weight, bias)
     x = x.contiguous()
@@ -196,10 +204,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if 0 < rows <= max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
         if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
             return cpu_kernels.gemv(x, weight, bias)
-        return cpu_kernels.gemm(x, weight, bias)
+        if packed is not None:
+            return cpu_kernels.gemm(x, packed, weight.shape[0], bias)
     if _onednn_linear_works() and not (x.dtype == torch.float32 and _mkl_is_faster()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_cpu_weights(model: nn.Module) -> None:
+    """Gives every matmul layer of `model` whose weight our CPU gemm takes (float32, on CPU,
+    kernels built) its `packed_weight`, once the weights are loaded and tied. The weight stays
+    for the larger inputs MKL takes (and the embedding a tied LM head shares): float32 weights
+    are held twice on CPU, for a 1.1-1.6x faster decode step (cpu_gemm.c)."""
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)) and _packs(module.weight):
+            module.packed_weight = cpu_kernels.pack_weight(module.weight)
+
+
+def packed_weight_bytes(model: nn.Module) -> int:
+    """What `pack_cpu_weights` added to `model`'s memory."""
+    packed = (getattr(m, "packed_weight", None) for m in model.modules())
+    return sum(p.numel() * p.element_size() for p in packed if p is not None)
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    return (
+        cpu_kernels.max_gemm_tokens(weight.dtype) > 0
+        and cpu_kernels.cpu_inputs(weight)
+        and _kernels_apply(weight, None)
+    )
 
 
 def max_kernel_tokens(dtype: torch.dtype) -> int:
@@ -295,12 +328,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; may share its weight with the embedding."""
 
+    packed_weight: torch.Tensor | None = None  # pack_cpu_weights
+
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden_size] -> [num_tokens, vocab_size] float32, on every rank."""
-        logits = linear(hidden_states, self.weight)  # [num_tokens, num_embeddings_per_rank]
+        # [num_tokens, num_embeddings_per_rank]
+        logits = linear(hidden_states, self.weight, packed=self.packed_weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
 
