@@ -55,19 +55,18 @@ def library(ref: str | None, workdir: str) -> dict[tuple[str, torch.dtype | None
 
 
 def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Kernel]:
-    """{"cpu_gemv": ..., "cpu_gemm": ...} (gemm for float32 only) from `library(ref, ...)`,
-    called as the engine calls them (`cpu_kernels.linear_with`)."""
+    """{"cpu_gemv": ..., "cpu_gemm": ..., "cpu_gemm_packed": ...} (the gemms for float32 only,
+    the packed one where the build has it) from `library(ref, ...)`, called as the engine calls
+    them (`cpu_kernels.linear_with`)."""
     kernels = library(ref, workdir)
-    built = {"cpu_gemv": Kernel(functools.partial(linear_with, kernels["gemv", dtype]))}
-    if dtype == torch.float32:
-        gemm = functools.partial(linear_with, kernels["gemm", dtype])
-        if ("pack_weight", dtype) in kernels:  # packed weights since the gemm of 2026-11-27
-            built["cpu_gemm"] = Kernel(
-                lambda x, packed: gemm(x, packed[0], None, packed[1]),
-                lambda weight: (pack_weight(weight, kernels), weight.shape[0]),
-            )
-        else:
-            built["cpu_gemm"] = Kernel(gemm)
+    names = ("gemv", "gemm") if dtype == torch.float32 else ("gemv",)
+    built = {f"cpu_{n}": Kernel(functools.partial(linear_with, kernels[n, dtype])) for n in names}
+    if ("gemm_packed", dtype) in kernels:  # since 2026-11-27
+        gemm = functools.partial(linear_with, kernels["gemm_packed", dtype])
+        built["cpu_gemm_packed"] = Kernel(
+            lambda x, packed: gemm(x, packed[0], None, packed[1]),
+            lambda weight: (pack_weight(weight, kernels), weight.shape[0]),
+        )
     return built
 
 

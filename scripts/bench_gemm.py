@@ -1,9 +1,11 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
-`F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`), our gemv (`cpu_gemv.c`)
-and our gemm on packed weights (`cpu_gemm.c`, float32), at decode-sized and prefill-sized token
-counts. `linear` uses the gemm up to `cpu_kernels.max_gemm_tokens` rows for float32, the gemv up
-to `max_gemv_tokens` for bfloat16, then MKL (float32 on Intel CPUs) or oneDNN. After each token
-count, one line sums a whole SmolLM2 step: 30 layers of the four projections plus the LM head.
+`F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`), our gemv (`cpu_gemv.c`),
+our tiled gemm (`cpu_gemm.c`, float32) and our gemm on packed weights (`cpu_gemm_packed.c`,
+float32), at decode-sized and prefill-sized token counts. For float32 `linear` uses the packed
+gemm up to `cpu_kernels.max_gemm_packed_tokens` rows and the tiled one up to `max_gemm_tokens`;
+for bfloat16 the gemv up to `max_gemv_tokens`; then MKL (float32 on Intel CPUs) or oneDNN. After
+each token count, one line sums a whole SmolLM2 step: 30 layers of the four projections plus the
+LM head.
 
     python scripts/bench_gemm.py --repeats 5 --json gemm.json
 
@@ -12,14 +14,15 @@ last-level cache), so each kernel cycles through copies of the weight that toget
 `--weights-mb` (default 256 MB, several times any L3). Each (shape, tokens) is timed for every
 kernel in alternating order, `--repeats` times `--calls` calls; the table gives the median time
 per call, the weight bytes read per second (what bounds decode) and GFLOP/s (what bounds prefill).
-The gemm's weights are packed before the timing, as the engine packs them once at load time.
+The packed gemm's weights are packed before the timing, as the engine packs them at load time.
 `cpu_gemv` runs only up to `--gemv-max-tokens` rows (default 16: it is built for a few),
-`cpu_gemm` up to `--gemm-max-tokens` (default 128).
+both gemms up to `--gemm-max-tokens` (default 128).
 
-`--baseline-ref REF` also builds our two kernels from git REF's C sources and from the working
+`--baseline-ref REF` also builds our kernels from git REF's C sources and from the working
 tree's, with the library's flags, and measures both builds in the same alternating rounds
 (`cpu_gemv@tree` against `cpu_gemv@REF`, ...); each row then says whether the two builds gave
-the same bits. A ref from before the packed gemm runs its gemm on the plain weights.
+the same bits (a ref from before the packed gemm has none to compare). Every row also says
+whether the packed and the tiled gemm gave the same bits.
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ KERNELS = {
     "F.linear": Kernel(F.linear),
     "oneDNN": Kernel(onednn),
     "cpu_gemv": Kernel(cpu_kernels.gemv),
-    "cpu_gemm": Kernel(
-        lambda x, packed: cpu_kernels.gemm(x, packed[0], packed[1]),
+    "cpu_gemm": Kernel(cpu_kernels.gemm),
+    "cpu_gemm_packed": Kernel(
+        lambda x, packed: cpu_kernels.gemm_packed(x, packed[0], packed[1]),
         lambda weight: (cpu_kernels.pack_weight(weight), weight.shape[0]),
     ),
 }
@@ -66,9 +70,8 @@ NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
 def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
     """The kernels this row count and dtype are measured with."""
-    limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": args.gemm_max_tokens}
-    if args.dtype != "float32":
-        limits["cpu_gemm"] = 0  # float32 only
+    gemm = args.gemm_max_tokens if args.dtype == "float32" else 0  # float32 only
+    limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": gemm, "cpu_gemm_packed": gemm}
     return [k for k in KERNELS if tokens <= limits.get(k.split("@")[0], tokens)]
 
 
@@ -76,21 +79,26 @@ def add_builds(args: argparse.Namespace, workdir: str) -> None:
     """Registers our kernels built from the working tree and from `--baseline-ref`."""
     dtype = getattr(torch, args.dtype)
     # The tree's build replaces cpu_kernels' entries (the same code), so each is timed once.
-    del KERNELS["cpu_gemv"], KERNELS["cpu_gemm"]
+    del KERNELS["cpu_gemv"], KERNELS["cpu_gemm"], KERNELS["cpu_gemm_packed"]
     for label, ref in (("tree", None), (args.baseline_ref, args.baseline_ref)):
         for name, fn in build(ref, dtype, workdir).items():
             KERNELS[f"{name}@{label}"] = fn
 
 
 def same_bits(row: dict, x: torch.Tensor, weight: torch.Tensor, kernels: list[str], ref) -> None:
-    """row["same_bits"][kernel]: whether the tree's build and `ref`'s agree bit for bit."""
+    """row["same_bits"][pair]: whether two of our kernels agree bit for bit: the packed gemm and
+    the tiled one, and with `ref` each of the tree's kernels and the same kernel of ref's build."""
+    tree = "@tree" if ref else ""
+    pairs = [(f"cpu_gemm_packed{tree}", f"cpu_gemm{tree}")]
+    if ref:
+        pairs += [(f"{name}@tree", f"{name}@{ref}") for name in ("cpu_gemv", "cpu_gemm")]
+        pairs += [("cpu_gemm_packed@tree", f"cpu_gemm_packed@{ref}")]
     row["same_bits"] = {}
     with torch.inference_mode():
-        for name in ("cpu_gemv", "cpu_gemm"):
-            tree, base = f"{name}@tree", f"{name}@{ref}"
-            if tree in kernels and base in kernels:
-                outputs = [k.run(x, k.prepare(weight)) for k in (KERNELS[tree], KERNELS[base])]
-                row["same_bits"][name] = torch.equal(*outputs)
+        for a, b in pairs:
+            if a in kernels and b in kernels:
+                outputs = [KERNELS[k].run(x, KERNELS[k].prepare(weight)) for k in (a, b)]
+                row["same_bits"][f"{a} vs {b}"] = torch.equal(*outputs)
 
 
 def time_calls(kernel: Kernel, x: torch.Tensor, weights: list, calls: int) -> float:

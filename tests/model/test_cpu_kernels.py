@@ -38,6 +38,23 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+# Token panels of 1-3 vectors (16 lanes with AVX-512, 8 otherwise) and partial ones, and with
+# AVX-512 the 6-row tiles of 4 vectors past 48 rows (49, 64, 100: 64 + 36); tiles of weight rows
+# with a partial last one (33 outputs); k with and without a vector tail.
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 40, 48, 49, 64, 100])
+@pytest.mark.parametrize("in_features", [1, 37, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_f_linear(rows, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(33, in_features, generator=generator)
+    bias = torch.randn(33, generator=generator) if with_bias else None
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    out = cpu_kernels.gemm(x, weight, bias)
+    assert out.shape == (rows, 33) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
+
+
 # Blocks of 8 tokens with AVX-512 (4 otherwise): below, at and past one, and many; panels of 48
 # outputs (24 otherwise): a partial one alone (33) and after full ones (97, and 48 + 24 without
 # AVX-512); k with and without a vector tail.
@@ -45,16 +62,20 @@ def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
 @pytest.mark.parametrize("in_features", [1, 37, 600])
 @pytest.mark.parametrize("out_features", [33, 97])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_on_packed_weights_matches_f_linear(rows, in_features, out_features, with_bias):
+def test_gemm_on_packed_weights_matches_f_linear_and_the_tiled_gemm(
+    rows, in_features, out_features, with_bias
+):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     packed = cpu_kernels.pack_weight(weight)
-    out = cpu_kernels.gemm(x, packed, out_features, bias)
+    out = cpu_kernels.gemm_packed(x, packed, out_features, bias)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
+    # The same multiply-add chains as the tiled gemm: linear may switch between them by rows.
+    assert torch.equal(out, cpu_kernels.gemm(x, weight, bias))
 
 
 def test_gemm_rows_do_not_depend_on_the_batch():
@@ -62,9 +83,11 @@ def test_gemm_rows_do_not_depend_on_the_batch():
     generator = torch.Generator().manual_seed(0)
     x, weight = torch.randn(64, 96, generator=generator), torch.randn(40, 96, generator=generator)
     packed = cpu_kernels.pack_weight(weight)
-    batched = cpu_kernels.gemm(x, packed, 40)
-    for row in (0, 17, 63):
-        assert torch.equal(cpu_kernels.gemm(x[row : row + 1], packed, 40)[0], batched[row])
+    for gemm, w in ((cpu_kernels.gemm, weight), (cpu_kernels.gemm_packed, packed)):
+        batched = gemm(x, w, 40) if w is packed else gemm(x, w)
+        for row in (0, 17, 63):
+            alone = gemm(x[row : row + 1], w, 40) if w is packed else gemm(x[row : row + 1], w)
+            assert torch.equal(alone[0], batched[row])
 
 
 def test_packed_weights_are_panels_of_outputs_k_major_zero_padded():
@@ -94,23 +117,26 @@ def test_linear_sends_decode_sized_inputs_to_the_kernels_and_larger_ones_elsewhe
     weight = torch.randn(24, 40)
     packed = cpu_kernels.pack_weight(weight)
     with torch.inference_mode():
-        # float32: the gemm on the packed weight, from one row to max_gemm_tokens.
+        # float32: the gemm on the packed weight from one row, then the tiled one (which a layer
+        # without a packed weight takes from one row) up to max_gemm_tokens.
+        most_packed = cpu_kernels.max_gemm_packed_tokens(torch.float32)
         most = cpu_kernels.max_gemm_tokens(torch.float32)
-        assert cpu_kernels.max_gemv_tokens(torch.float32) == 0
-        for rows in (1, 2, 9, most):
+        assert cpu_kernels.max_gemv_tokens(torch.float32) == 0 and 0 < most_packed < most
+        for rows in (1, 2, 9, most_packed, most_packed + 1, most):
             x = torch.randn(rows, 40)
-            assert torch.equal(linear(x, weight, packed=packed), cpu_kernels.gemm(x, packed, 24))
+            out = linear(x, weight, packed=packed)
+            if rows <= most_packed:
+                assert torch.equal(out, cpu_kernels.gemm_packed(x, packed, 24))
+            assert torch.equal(out, cpu_kernels.gemm(x, weight))
         # bfloat16: the gemv, up to max_gemv_tokens.
         w = weight.to(torch.bfloat16)
         for rows in (1, cpu_kernels.max_gemv_tokens(torch.bfloat16)):
             x = torch.randn(rows, 40).to(torch.bfloat16)
             assert torch.equal(linear(x, w), cpu_kernels.gemv(x, w))
-        # Past the kernels, or a float32 layer without its packed weight: MKL (F.linear) for
-        # float32 on Intel CPUs, else oneDNN.
+        # Past the kernels: MKL (F.linear) for float32 on Intel CPUs, else oneDNN.
         past = max_kernel_tokens(torch.bfloat16) + 1
         cases = (
             (torch.randn(most + 1, 40), weight, packed),
-            (torch.randn(1, 40), weight, None),
             (torch.randn(past, 40).to(torch.bfloat16), w, None),
         )
         for x, w, p in cases:

@@ -21,11 +21,12 @@
 
 #include "cpu_kernels.h"
 
-/* One layer's weights (bias, q_norm, k_norm may be NULL) and caches; all contiguous. The matmul
-   weights of a float32 model are the packed copies (v1e_pack_weight_f32). */
+/* One layer's weights (bias, q_norm, k_norm may be NULL) and caches; all contiguous. */
 struct v1e_decoder_layer {
     const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
     const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    /* The matmul weights packed for cpu_gemm_packed.c (float32), or NULL. */
+    const void *qkv_packed, *o_packed, *gate_up_packed, *down_packed;
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
     long kv_cache_group;     /* which of the step's block tables and slots the layer reads */
     long block_size, window; /* window 0: full attention */
@@ -34,6 +35,7 @@ struct v1e_decoder_layer {
 struct v1e_decoder_shape {
     long hidden, num_heads, num_kv_heads, head_size, intermediate;
     float eps, scale;
+    long packed_max_tokens; /* cpu_kernels.max_gemm_packed_tokens: up to it the packed gemm */
 };
 
 /* The step: `tokens` query rows of `num_seqs` sequences, and per KV cache group g their slots,
@@ -60,19 +62,26 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
     return (struct widths){q, kv, q + 2 * kv};
 }
 
-/* y = x W^T (+ b) by the kernel linear.py picks for these rows, so that the stack's bits are the
-   layers': the gemm on packed weights for float32 (the layer table holds the packed copies), the
-   gemv for bfloat16 (the Python side sends bfloat16 steps here only up to its rows). */
-static void matmul_f32(const float *x, const void *w, const void *b, float *y, long M, long N,
-                       long K)
+/* y = x W^T (+ b) by the kernel linear.py picks for M rows, so that the stack's bits are the
+   layers': for float32 the gemm on the packed weight wp up to packed_max_tokens, the tiled gemm
+   on w past it (nonzero if it could not allocate); for bfloat16 the gemv (the Python side sends
+   bfloat16 steps here only up to the rows it takes). */
+static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const void *w,
+                      const void *wp, const void *b, float *y, long M, long N, long K)
 {
-    v1e_gemm_f32(x, w, b, y, M, N, K);
+    if (wp && M <= sh->packed_max_tokens) {
+        v1e_gemm_packed_f32(x, wp, b, y, M, N, K);
+        return 0;
+    }
+    return v1e_gemm_f32(x, w, b, y, M, N, K);
 }
 
-static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_t *y, long M,
-                        long N, long K)
+static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, const void *w,
+                       const void *wp, const void *b, uint16_t *y, long M, long N, long K)
 {
+    (void)sh, (void)wp;
     v1e_gemv_bf16(x, w, b, y, M, N, K);
+    return 0;
 }
 
 #define DECODER_STACK(S, T, LOAD, STORE)                                                       \
@@ -88,7 +97,7 @@ static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_
     }                                                                                          \
                                                                                                \
     /* qkv -> the rotated q [M, H, D] and k [M, KVH, D]; q/k normalized per head first. */     \
-    static void rotated_qk_##S(const struct v1e_decoder_layer *L,                              \
+    static void rotated_qk_##S(const struct v1e_decoder_layer *L,                             \
                                const struct v1e_decoder_shape *sh, const struct widths *w,     \
                                const struct v1e_decode_step *st, struct buffers_##S *b)        \
     {                                                                                          \
@@ -114,7 +123,9 @@ static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_
                                    const struct v1e_decode_step *st, struct buffers_##S *b)    \
     {                                                                                          \
         const long M = st->tokens, g = L->kv_cache_group;                                      \
-        matmul_##S(b->h, L->qkv_weight, L->qkv_bias, b->qkv, M, w->qkv, sh->hidden);           \
+        if (matmul_##S(sh, b->h, L->qkv_weight, L->qkv_packed, L->qkv_bias, b->qkv, M, w->qkv, \
+                       sh->hidden))                                                            \
+            return 1;                                                                          \
         rotated_qk_##S(L, sh, w, st, b);                                                       \
         v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
                      L->v_cache, st->slots[g], M, w->kv * sizeof(T), w->qkv * sizeof(T),       \
@@ -125,23 +136,30 @@ static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_
                                     sh->head_size, L->block_size, st->table_strides[g],        \
                                     L->window, sh->scale))                                     \
             return 1;                                                                          \
-        matmul_##S(b->attn, L->o_weight, NULL, b->x, M, sh->hidden, w->q);                     \
+        if (matmul_##S(sh, b->attn, L->o_weight, L->o_packed, NULL, b->x, M, sh->hidden,       \
+                       w->q))                                                                  \
+            return 1;                                                                          \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
         return 0;                                                                              \
     }                                                                                          \
                                                                                                \
-    static void mlp_block_##S(const struct v1e_decoder_layer *L,                               \
+    static int mlp_block_##S(const struct v1e_decoder_layer *L,                                \
                              const struct v1e_decoder_shape *sh, long M, struct buffers_##S *b) \
     {                                                                                          \
         const long I = sh->intermediate;                                                       \
-        matmul_##S(b->h, L->gate_up_weight, L->gate_up_bias, b->gate_up, M, 2 * I, sh->hidden); \
+        if (matmul_##S(sh, b->h, L->gate_up_weight, L->gate_up_packed, L->gate_up_bias,        \
+                       b->gate_up, M, 2 * I, sh->hidden))                                      \
+            return 1;                                                                          \
         v1e_silu_and_mul_##S(b->gate_up, b->act, M, I);                                        \
-        matmul_##S(b->act, L->down_weight, NULL, b->x, M, sh->hidden, I);                      \
+        if (matmul_##S(sh, b->act, L->down_weight, L->down_packed, NULL, b->x, M, sh->hidden,  \
+                       I))                                                                     \
+            return 1;                                                                          \
         if (L->down_bias) add_bias_##S(b->x, L->down_bias, M, sh->hidden);                     \
+        return 0;                                                                              \
     }                                                                                          \
                                                                                                \
     /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
-    static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,        \
+    static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,       \
                             long M, struct buffers_##S *b)                                     \
     {                                                                                          \
         const long H = sh->hidden, I = sh->intermediate;                                       \
@@ -152,7 +170,7 @@ static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_
         long total = 0;                                                                        \
         for (long i = 0; i < n; i++) total += M * sizes[i];                                    \
         T *p = malloc(sizeof(T) * total);                                                      \
-        for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                    \
+        for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                   \
         return p != NULL;                                                                      \
     }                                                                                          \
                                                                                                \
@@ -176,7 +194,7 @@ static void matmul_bf16(const uint16_t *x, const void *w, const void *b, uint16_
                                  sh->eps);                                                     \
             if ((failed = attention_block_##S(L, sh, &w, st, &b))) break;                      \
             v1e_rms_norm_##S(b.x, b.residual, L->post_norm, b.residual, b.h, M, H, sh->eps);   \
-            mlp_block_##S(L, sh, M, &b);                                                       \
+            if ((failed = mlp_block_##S(L, sh, M, &b))) break;                                 \
         }                                                                                      \
         if (!failed)                                                                           \
             v1e_rms_norm_##S(b.x, b.residual, final_norm, b.residual, out, M, H, sh->eps);     \

@@ -31,6 +31,7 @@ SOURCES = tuple(
     for name in (
         "cpu_gemv.c",
         "cpu_gemm.c",
+        "cpu_gemm_packed.c",
         "cpu_paged_attention.c",
         "cpu_attention_blocked.c",
         "cpu_rms_norm.c",
@@ -63,7 +64,11 @@ _UNTYPED = {
     "gemm_panel_width": ([], ctypes.c_long),
 }
 # Kernels that exist for float32 only (v1e_<name>_f32).
-_FLOAT32 = {"gemm": ([_P] * 4 + [_N] * 3, None), "pack_weight": ([_P] * 2 + [_N] * 2, None)}
+_FLOAT32 = {
+    "gemm": ([_P] * 4 + [_N] * 3, ctypes.c_int),
+    "gemm_packed": ([_P] * 4 + [_N] * 3, None),
+    "pack_weight": ([_P] * 2 + [_N] * 2, None),
+}
 
 
 @functools.cache

@@ -41,10 +41,13 @@ def _cases(generator: torch.Generator, dtype: torch.dtype):
         x, weight, bias = randn(tokens, 37), randn(5, 37), randn(5)
         yield "gemv", cpu_kernels.gemv(x, weight, bias), F.linear(x, weight, bias)
     if cpu_kernels.max_gemm_tokens(dtype):
+        # A full token panel and a partial one; a partial tile of weight rows.
+        x, weight, bias = randn(50, 37), randn(11, 37), randn(11)
+        yield "gemm", cpu_kernels.gemm(x, weight, bias), F.linear(x, weight, bias)
         # Full blocks of tokens and a partial one; a full panel of outputs and a partial one.
         x, weight, bias = randn(19, 37), randn(61, 37), randn(61)
         packed = cpu_kernels.pack_weight(weight)
-        yield "gemm", cpu_kernels.gemm(x, packed, 61, bias), F.linear(x, weight, bias)
+        yield "gemm_packed", cpu_kernels.gemm_packed(x, packed, 61, bias), F.linear(x, weight, bias)
     x, residual, weight = randn(2, 37), randn(2, 37), randn(37)
     out, total = cpu_kernels.rms_norm(x, residual, weight, 1e-5)
     yield "rms_norm", out, layernorm.rms_norm(x + residual, weight, 1e-5)

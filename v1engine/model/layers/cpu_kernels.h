@@ -75,12 +75,14 @@ static inline float v1e_expf(float x)
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)
 
-/* cpu_gemm.c: y = x W^T (+ b) on W packed by v1e_pack_weight_f32 into panels of
+int v1e_gemm_f32(const float *x, const float *w, const float *b, float *y, long M, long N, long K);
+
+/* cpu_gemm_packed.c: y = x W^T (+ b) on W packed by v1e_pack_weight_f32 into panels of
    v1e_gemm_panel_width() outputs (wp holds that many floats per k per panel, zero padded). */
 long v1e_gemm_panel_width(void);
 void v1e_pack_weight_f32(const float *w, float *wp, long N, long K);
-void v1e_gemm_f32(const float *x, const float *wp, const float *b, float *y, long M, long N,
-                  long K);
+void v1e_gemm_packed_f32(const float *x, const float *wp, const float *b, float *y, long M,
+                         long N, long K);
 
 void v1e_write_kv(const char *key, const char *value, char *k_cache, char *v_cache,
                   const int64_t *slots, long num_tokens, long key_stride, long value_stride,

@@ -1,10 +1,11 @@
 """Our compiled CPU kernels for decode steps, as torch ops: the matmul of up to a few dozen
-tokens (`cpu_gemm.c`, float32, on weights packed at load time; `cpu_gemv.c`, bfloat16), paged
-attention and its K/V write (`cpu_paged_attention.c`), RMSNorm with its residual add
-(`cpu_rms_norm.c`), rotary embedding and SiLU-and-mul (`cpu_elementwise.c`). At decode sizes
-torch and oneDNN run each of these several times slower: the matmuls read the weights at half the
-memory bandwidth or less (or, at a few dozen tokens, reach half their prefill GFLOP/s), the small
-ops are several dispatches each (`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
+tokens (float32: `cpu_gemm_packed.c` on weights packed at load time, then the tiled
+`cpu_gemm.c`; bfloat16: `cpu_gemv.c`), paged attention and its K/V write
+(`cpu_paged_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
+SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
+times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
+dozen tokens, reach half their prefill GFLOP/s), the small ops are several dispatches each
+(`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
 
 The library is built on first use (`cpu_kernel_library.py`) and checked against torch once per
 process (`cpu_kernel_probe.py`); callers ask `applies(...)` and otherwise stay on torch/oneDNN.
@@ -26,15 +27,17 @@ logger = init_logger(__name__)
 # Up to this many rows our gemv beats the other kernels for bfloat16 (scripts/bench_gemm.py, the
 # SmolLM2 step's matmuls and LM head, 2-core AVX-512 Xeon): against oneDNN, level at 4 and 14%
 # slower at 5, as the gemv widens every element. float32 has none: the gemm on packed weights is
-# faster from 1 row (28 vs 31 ms for the step at 1 row, 31 vs 41-47 at 2 to 5).
+# as fast at 1 row and faster from 2 (32 vs 34-48 ms for the step at 2 to 8 rows).
 _MAX_GEMV_TOKENS = {torch.bfloat16: 4}
 
 
-# Up to this many rows (float32 only) our matmul on packed weights beats oneDNN and MKL
-# (scripts/bench_gemm.py, the SmolLM2 step's matmuls, weights from memory, 2-core Xeon with
-# AVX-512: 35 vs 67 ms for oneDNN at 16 rows, 49 vs 83 at 32, 88-91 vs 125 for MKL at 64). Past it
-# MKL's sgemm, on the weight in nn.Linear's layout, which the layers keep beside the packed copy.
+# Up to this many rows (float32 only) our matmuls beat oneDNN and MKL (scripts/bench_gemm.py, the
+# SmolLM2 step's matmuls, weights from memory, 2-core Xeon with AVX-512: 48 vs 71 ms at 16 rows,
+# 58 vs 90 at 32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96): the
+# gemm on packed weights up to _MAX_GEMM_PACKED_TOKENS, the tiled gemm past it, where the packed
+# one falls behind (cpu_gemm_packed.c has the decode steps' times).
 _MAX_GEMM_TOKENS = {torch.float32: 64}
+_MAX_GEMM_PACKED_TOKENS = {torch.float32: 32}
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
@@ -45,6 +48,12 @@ def max_gemv_tokens(dtype: torch.dtype) -> int:
 def max_gemm_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
     return _MAX_GEMM_TOKENS.get(dtype, 0)
+
+
+def max_gemm_packed_tokens(dtype: torch.dtype) -> int:
+    """The most rows `gemm_packed` is meant for with `dtype` inputs (0: no kernel for this dtype);
+    past them, up to `max_gemm_tokens`, `gemm`."""
+    return _MAX_GEMM_PACKED_TOKENS.get(dtype, 0)
 
 
 @functools.cache
@@ -108,13 +117,19 @@ def pack_weight(weight: torch.Tensor, kernels: dict | None = None) -> torch.Tens
     return packed
 
 
-def gemm(
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for a few
+    dozen: `max_gemm_tokens`); weight and bias contiguous. Each output row depends only on its
+    own input row."""
+    return linear_with(kernel("gemm", x.dtype), x, weight, bias)
+
+
+def gemm_packed(
     x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for up to
-    `max_gemm_tokens`), with `packed = pack_weight(weight)`; bias contiguous. Each output row
-    depends only on its own input row."""
-    return linear_with(kernel("gemm", x.dtype), x, packed, bias, out_features)
+    """`gemm(x, weight, bias)`, the same bits, with `packed = pack_weight(weight)`: faster up to
+    `max_gemm_packed_tokens` rows (cpu_gemm_packed.c)."""
+    return linear_with(kernel("gemm_packed", x.dtype), x, packed, bias, out_features)
 
 
 def linear_with(
@@ -131,7 +146,7 @@ def linear_with(
     out_features = weight.shape[0] if out_features is None else out_features
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    function(
+    failed = function(
         rows.data_ptr(),
         weight.data_ptr(),
         data_pointer(bias),
@@ -140,6 +155,8 @@ def linear_with(
         out_features,
         in_features,
     )
+    if failed:  # only the tiled gemm allocates (its packed copy of x); the others return nothing
+        raise MemoryError("the gemm kernel could not allocate its packed copy of the input")
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -179,9 +179,10 @@ class RowParallelLinear(LinearBase):
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
 # or less, and at a few dozen reach half the GFLOP/s they get on a prefill. Our own kernels do
-# better there (`scripts/bench_gemm.py` measures all of them): `cpu_gemm.c` for float32 up to
-# `cpu_kernels.max_gemm_tokens` rows, on the weight packed once after loading
-# (`pack_cpu_weights`), and `cpu_gemv.c` for bfloat16 up to `max_gemv_tokens`. Larger inputs go
+# better there (`scripts/bench_gemm.py` measures all of them). float32: `cpu_gemm_packed.c` up to
+# `cpu_kernels.max_gemm_packed_tokens` rows, on the weight packed once after loading
+# (`pack_cpu_weights`), then the tiled `cpu_gemm.c` up to `max_gemm_tokens` on the plain weight
+# (the same bits either way); bfloat16: `cpu_gemv.c` up to `max_gemv_tokens`. Larger inputs go
 # through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for
 # linear layers), except float32 on Intel CPUs, where MKL's sgemm is the faster of the two
 # (2-core Xeon with AVX-512, the SmolLM2 step's matmuls: 3-4% at 128-512 rows, 10-14% at
@@ -204,8 +205,9 @@ def linear(
     if 0 < rows <= max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
         if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
             return cpu_kernels.gemv(x, weight, bias)
-        if packed is not None:
-            return cpu_kernels.gemm(x, packed, weight.shape[0], bias)
+        if packed is not None and rows <= cpu_kernels.max_gemm_packed_tokens(x.dtype):
+            return cpu_kernels.gemm_packed(x, packed, weight.shape[0], bias)
+        return cpu_kernels.gemm(x, weight, bias)
     if _onednn_linear_works() and not (x.dtype == torch.float32 and _mkl_is_faster()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -214,8 +216,9 @@ def linear(
 def pack_cpu_weights(model: nn.Module) -> None:
     """Gives every matmul layer of `model` whose weight our CPU gemm takes (float32, on CPU,
     kernels built) its `packed_weight`, once the weights are loaded and tied. The weight stays
-    for the larger inputs MKL takes (and the embedding a tied LM head shares): float32 weights
-    are held twice on CPU, for a 1.1-1.6x faster decode step (cpu_gemm.c)."""
+    for the larger inputs the tiled gemm and MKL take (and the embedding a tied LM head shares):
+    float32 weights are held twice on CPU, for decode steps of up to 32 requests 1.05-1.35x
+    faster (cpu_gemm_packed.c)."""
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)) and _packs(module.weight):
             module.packed_weight = cpu_kernels.pack_weight(module.weight)

@@ -22,7 +22,7 @@ from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.attention import get_forward_context
 from v1engine.model.layers.cpu_attention_backend import CpuAttentionMetadata
 from v1engine.model.layers.layernorm import RMSNorm
-from v1engine.model.layers.linear import LinearBase, max_kernel_tokens
+from v1engine.model.layers.linear import max_kernel_tokens
 from v1engine.model.layers.rotary_embedding import CosSin
 from v1engine.model.parallel_state import get_tp_world_size
 
@@ -33,6 +33,7 @@ _P, _N = ctypes.c_void_p, ctypes.c_long
 _WEIGHTS = (
     "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
     "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias",
+    "qkv_packed", "o_packed", "gate_up_packed", "down_packed",
 )  # fmt: skip
 
 
@@ -51,6 +52,7 @@ class _Shape(ctypes.Structure):
         ("intermediate", _N),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("packed_max_tokens", _N),
     ]
 
 
@@ -82,6 +84,7 @@ class LlamaDecodeStack:
             model.layers[0].mlp.down_proj.weight.shape[1],
             model.norm.eps,
             attention.attn.scale,
+            cpu_kernels.max_gemm_packed_tokens(model.norm.weight.dtype),
         )
         # The layer table holds raw pointers to weights and caches, so it keeps the caches it
         # was built from, and is rebuilt when a layer's cache is rebound.
@@ -154,7 +157,6 @@ class LlamaDecodeStack:
             get_tp_world_size() == 1
             and all(cache is not None for cache in caches)
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
-            and all(w[name] is not None for w in weights for name in _MATMULS)
             and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
         )
         if not supported:
@@ -163,33 +165,26 @@ class LlamaDecodeStack:
         return (_Layer * len(model.layers))(*structs)
 
 
-_MATMULS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-
-
 def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
     attention, mlp = layer.self_attn, layer.mlp
     return dict(
         input_norm=layer.input_layernorm.weight,
-        qkv_weight=_matmul_weight(attention.qkv_proj),
+        qkv_weight=attention.qkv_proj.weight,
         qkv_bias=attention.qkv_proj.bias,
         q_norm=None if attention.q_norm is None else attention.q_norm.weight,
         k_norm=None if attention.k_norm is None else attention.k_norm.weight,
-        o_weight=_matmul_weight(attention.o_proj),
+        o_weight=attention.o_proj.weight,
         o_bias=attention.o_proj.bias,
         post_norm=layer.post_attention_layernorm.weight,
-        gate_up_weight=_matmul_weight(mlp.gate_up_proj),
+        gate_up_weight=mlp.gate_up_proj.weight,
         gate_up_bias=mlp.gate_up_proj.bias,
-        down_weight=_matmul_weight(mlp.down_proj),
+        down_weight=mlp.down_proj.weight,
         down_bias=mlp.down_proj.bias,
+        qkv_packed=attention.qkv_proj.packed_weight,
+        o_packed=attention.o_proj.packed_weight,
+        gate_up_packed=mlp.gate_up_proj.packed_weight,
+        down_packed=mlp.down_proj.packed_weight,
     )
-
-
-def _matmul_weight(layer: LinearBase) -> torch.Tensor | None:
-    """What the stack's matmul reads, as `linear` would: the packed weight for float32 (None
-    without it: the stack does not apply), the weight for bfloat16's gemv."""
-    if layer.weight.dtype == torch.float32:
-        return layer.packed_weight
-    return layer.weight
 
 
 def _layer_struct(layer: LlamaDecoderLayer, weights: dict[str, torch.Tensor | None]) -> _Layer:
