@@ -6,6 +6,8 @@ on is test_model_parity.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from tests.model.paged_runner import generate_paged
 from tests.model.test_model_parity import make_prompts
 from v1engine.model.hf_config import load_hf_config
 from v1engine.model.layers import cpu_kernels
-from v1engine.model.layers.linear import max_kernel_tokens
+from v1engine.model.layers import linear as linear_module
+from v1engine.model.layers.linear import LinearBase, max_kernel_tokens
 from v1engine.model.loader import load_model
 from v1engine.model.models.llama_decode_stack import LlamaDecodeStack
 
@@ -130,3 +133,25 @@ def test_stack_needs_the_kv_cache_in_the_model_dtype(tmp_path, stack_calls):
         attn = layer.self_attn.attn
         attn.kv_cache = tuple(c.to(torch.bfloat16) for c in attn.kv_cache)
     assert model.model.decode_stack._layer_table() is None
+
+
+def test_float32_weights_are_packed_at_load_unless_memory_is_short(
+    tmp_path, stack_calls, monkeypatch
+):
+    path = make_checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    projections = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert all(m.packed_weight is not None for m in [*projections, model.lm_head])
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    prompts = make_prompts(model.config.vocab_size, [7, 4, 9])
+    packed_outputs, packed_logits = generate_paged(model, prompts, 5)
+    assert 3 in stack_calls
+
+    # Too little memory for the copies: the tiled gemm takes every row, with the same bits.
+    monkeypatch.setattr(
+        linear_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=1)
+    )
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
+    outputs, logits = generate_paged(model, prompts, 5)
+    assert outputs == packed_outputs and all(map(torch.equal, logits, packed_logits))

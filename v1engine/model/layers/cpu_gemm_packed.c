@@ -130,8 +130,8 @@ static struct prefetch share_of_next(const float *next, long lines, long block, 
     return (struct prefetch){next + first * 16, count, (int)((share + K - 1) / K)};
 }
 
-void v1e_gemm_packed_f32(const float *x, const float *wp, const float *b, float *y, long M, long N,
-                  long K)
+void v1e_gemm_packed_f32(const float *x, const float *wp, const float *b, float *y, long M,
+                         long N, long K)
 {
     const long panels = (N + PANEL - 1) / PANEL, blocks = (M + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static)

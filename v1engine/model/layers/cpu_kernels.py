@@ -103,8 +103,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def pack_weight(weight: torch.Tensor, kernels: dict | None = None) -> torch.Tensor:
-    """float32 weight [N, K] (contiguous) as `gemm` reads it: panels of
-    `v1e_gemm_panel_width()` outputs, k-major, zero padded (cpu_gemm.c), in a flat tensor.
+    """float32 weight [N, K] (contiguous) as `gemm_packed` reads it: panels of
+    `v1e_gemm_panel_width()` outputs, k-major, zero padded (cpu_gemm_packed.c), in a flat tensor.
     `kernels`: another build's table (`cpu_kernel_library.bind_kernels`), for benchmarks."""
     kernels = load_kernels() if kernels is None else kernels
     out_features, in_features = weight.shape

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -217,11 +218,26 @@ def pack_cpu_weights(model: nn.Module) -> None:
     """Gives every matmul layer of `model` whose weight our CPU gemm takes (float32, on CPU,
     kernels built) its `packed_weight`, once the weights are loaded and tied. The weight stays
     for the larger inputs the tiled gemm and MKL take (and the embedding a tied LM head shares):
-    float32 weights are held twice on CPU, for decode steps of up to 32 requests 1.05-1.35x
-    faster (cpu_gemm_packed.c)."""
-    for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)) and _packs(module.weight):
-            module.packed_weight = cpu_kernels.pack_weight(module.weight)
+    float32 weights are held twice on CPU, for decode steps of 2 to 32 requests 1.05-1.35x
+    faster (cpu_gemm_packed.c). Skipped, with a warning, where the copies would take more than
+    half of the memory still available: the layers then run the tiled gemm."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead)) and _packs(m.weight)
+    ]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    available = psutil.virtual_memory().available
+    if needed > available // 2:
+        logger.warning(
+            "Not packing the float32 weights for the CPU decode gemm: the copies need %.2f GiB "
+            "of the %.2f GiB available; decode steps of up to 32 requests run up to 1.35x slower",
+            needed / 2**30,
+            available / 2**30,
+        )
+        return
+    for module in layers:
+        module.packed_weight = cpu_kernels.pack_weight(module.weight)
 
 
 def packed_weight_bytes(model: nn.Module) -> int:
@@ -232,7 +248,7 @@ def packed_weight_bytes(model: nn.Module) -> int:
 
 def _packs(weight: torch.Tensor) -> bool:
     return (
-        cpu_kernels.max_gemm_tokens(weight.dtype) > 0
+        cpu_kernels.max_gemm_packed_tokens(weight.dtype) > 0
         and cpu_kernels.cpu_inputs(weight)
         and _kernels_apply(weight, None)
     )
