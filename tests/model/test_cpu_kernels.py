@@ -117,17 +117,24 @@ def test_linear_sends_decode_sized_inputs_to_the_kernels_and_larger_ones_elsewhe
     weight = torch.randn(24, 40)
     packed = cpu_kernels.pack_weight(weight)
     with torch.inference_mode():
-        # float32: the gemm on the packed weight from one row, then the tiled one (which a layer
-        # without a packed weight takes from one row) up to max_gemm_tokens.
+        # float32: the gemv up to max_gemv_tokens, the gemm on the packed weight up to
+        # max_gemm_packed_tokens, then the tiled one (which a layer without a packed weight takes
+        # past the gemv) up to max_gemm_tokens.
+        most_gemv = cpu_kernels.max_gemv_tokens(torch.float32)
         most_packed = cpu_kernels.max_gemm_packed_tokens(torch.float32)
         most = cpu_kernels.max_gemm_tokens(torch.float32)
-        assert cpu_kernels.max_gemv_tokens(torch.float32) == 0 and 0 < most_packed < most
-        for rows in (1, 2, 9, most_packed, most_packed + 1, most):
+        assert 0 < most_gemv < most_packed < most
+        for rows in (1, most_gemv, most_gemv + 1, 9, most_packed, most_packed + 1, most):
             x = torch.randn(rows, 40)
             out = linear(x, weight, packed=packed)
+            if rows <= most_gemv:
+                assert torch.equal(out, cpu_kernels.gemv(x, weight))
+                assert torch.equal(linear(x, weight), out)
+                continue
             if rows <= most_packed:
                 assert torch.equal(out, cpu_kernels.gemm_packed(x, packed, 24))
             assert torch.equal(out, cpu_kernels.gemm(x, weight))
+            assert torch.equal(linear(x, weight), out)
         # bfloat16: the gemv, up to max_gemv_tokens.
         w = weight.to(torch.bfloat16)
         for rows in (1, cpu_kernels.max_gemv_tokens(torch.bfloat16)):

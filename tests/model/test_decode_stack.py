@@ -87,11 +87,12 @@ def test_stack_matches_the_layers_bit_for_bit(tmp_path, stack_calls, arch, overr
 
 
 def _decode_sizes(dtype: torch.dtype) -> list[int]:
-    """One decode; the most the bfloat16 gemv takes; for float32 the most the packed gemm takes
-    and the first the tiled one takes; the most the kernels take."""
+    """One decode; the most the gemv takes and, for float32, the first the packed gemm takes, the
+    most it takes and the first the tiled one takes; the most the kernels take."""
     most_gemv, most = cpu_kernels.max_gemv_tokens(dtype), max_kernel_tokens(dtype)
     most_packed = cpu_kernels.max_gemm_packed_tokens(dtype)
-    return sorted({n for n in (1, most_gemv, most_packed, most_packed + 1, most) if 0 < n <= most})
+    sizes = (1, most_gemv, most_gemv + 1, most_packed, most_packed + 1, most)
+    return sorted({n for n in sizes if 0 < n <= most})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

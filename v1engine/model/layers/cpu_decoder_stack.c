@@ -35,6 +35,7 @@ struct v1e_decoder_layer {
 struct v1e_decoder_shape {
     long hidden, num_heads, num_kv_heads, head_size, intermediate;
     float eps, scale;
+    long gemv_max_tokens;   /* cpu_kernels.max_gemv_tokens: up to it the gemv */
     long packed_max_tokens; /* cpu_kernels.max_gemm_packed_tokens: up to it the packed gemm */
 };
 
@@ -63,12 +64,16 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
 }
 
 /* y = x W^T (+ b) by the kernel linear.py picks for M rows, so that the stack's bits are the
-   layers': for float32 the gemm on the packed weight wp up to packed_max_tokens, the tiled gemm
-   on w past it (nonzero if it could not allocate); for bfloat16 the gemv (the Python side sends
-   bfloat16 steps here only up to the rows it takes). */
+   layers': for float32 the gemv up to gemv_max_tokens, the gemm on the packed weight wp up to
+   packed_max_tokens, the tiled gemm on w past it (nonzero if it could not allocate); for
+   bfloat16 the gemv (the Python side sends bfloat16 steps here only up to the rows it takes). */
 static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const void *w,
                       const void *wp, const void *b, float *y, long M, long N, long K)
 {
+    if (M <= sh->gemv_max_tokens) {
+        v1e_gemv_f32(x, w, b, y, M, N, K);
+        return 0;
+    }
     if (wp && M <= sh->packed_max_tokens) {
         v1e_gemm_packed_f32(x, wp, b, y, M, N, K);
         return 0;

@@ -1,5 +1,5 @@
-/* y[m, :] = x[m, :] W^T (+ b) for the rows of a small CPU decode step (1 to
-   cpu_kernels.max_gemm_packed_tokens), float32, on weights packed once at load time.
+/* y[m, :] = x[m, :] W^T (+ b) for the rows of a small CPU decode step (past the gemv's one row,
+   up to cpu_kernels.max_gemm_packed_tokens), float32, on weights packed once at load time.
 
    A decode step reads every weight from memory once, and at a few tokens does a few FMAs per
    weight, too few to hide that read behind arithmetic unless the weights stream in order and

@@ -24,11 +24,13 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
 
 logger = init_logger(__name__)
 
-# Up to this many rows our gemv beats the other kernels for bfloat16 (scripts/bench_gemm.py, the
-# SmolLM2 step's matmuls and LM head, 2-core AVX-512 Xeon): against oneDNN, level at 4 and 14%
-# slower at 5, as the gemv widens every element. float32 has none: the gemm on packed weights is
-# as fast at 1 row and faster from 2 (32 vs 34-48 ms for the step at 2 to 8 rows).
-_MAX_GEMV_TOKENS = {torch.bfloat16: 4}
+# Up to this many rows our gemv beats the other kernels (the SmolLM2 step, 2-core AVX-512 Xeon).
+# bfloat16 (scripts/bench_gemm.py, the step's matmuls and LM head): against oneDNN, level at 4 and
+# 14% slower at 5, as the gemv widens every element. float32: one row, where the engine's decode
+# step took 31.2-32.1 ms against 32.1-32.6 with the packed gemm (scripts/profile_steps.py, three
+# alternating runs); from two rows the packed gemm wins (bench_gemm: 32 vs 34-48 ms for the step's
+# matmuls at 2 to 8 rows).
+_MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 4}
 
 
 # Up to this many rows (float32 only) our matmuls beat oneDNN and MKL (scripts/bench_gemm.py, the

@@ -180,10 +180,11 @@ class RowParallelLinear(LinearBase):
 # benchmark on ran 1.5-3x slower than oneDNN's JIT kernels at 64 tokens and more, and about even
 # at 1 token; at a few tokens (a decode step) both read the weights at half the memory bandwidth
 # or less, and at a few dozen reach half the GFLOP/s they get on a prefill. Our own kernels do
-# better there (`scripts/bench_gemm.py` measures all of them). float32: `cpu_gemm_packed.c` up to
-# `cpu_kernels.max_gemm_packed_tokens` rows, on the weight packed once after loading
-# (`pack_cpu_weights`), then the tiled `cpu_gemm.c` up to `max_gemm_tokens` on the plain weight
-# (the same bits either way); bfloat16: `cpu_gemv.c` up to `max_gemv_tokens`. Larger inputs go
+# better there (`scripts/bench_gemm.py` measures all of them). float32: `cpu_gemv.c` for one row,
+# `cpu_gemm_packed.c` up to `cpu_kernels.max_gemm_packed_tokens` rows, on the weight packed once
+# after loading (`pack_cpu_weights`), then the tiled `cpu_gemm.c` up to `max_gemm_tokens` on the
+# plain weight (the two gemms give the same bits); bfloat16: `cpu_gemv.c` up to
+# `max_gemv_tokens`. Larger inputs go
 # through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for
 # linear layers), except float32 on Intel CPUs, where MKL's sgemm is the faster of the two
 # (2-core Xeon with AVX-512, the SmolLM2 step's matmuls: 3-4% at 128-512 rows, 10-14% at

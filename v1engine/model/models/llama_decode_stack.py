@@ -52,6 +52,7 @@ class _Shape(ctypes.Structure):
         ("intermediate", _N),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+        ("gemv_max_tokens", _N),
         ("packed_max_tokens", _N),
     ]
 
@@ -84,6 +85,7 @@ class LlamaDecodeStack:
             model.layers[0].mlp.down_proj.weight.shape[1],
             model.norm.eps,
             attention.attn.scale,
+            cpu_kernels.max_gemv_tokens(model.norm.weight.dtype),
             cpu_kernels.max_gemm_packed_tokens(model.norm.weight.dtype),
         )
         # The layer table holds raw pointers to weights and caches, so it keeps the caches it
