@@ -148,7 +148,7 @@ def test_float32_weights_are_packed_at_load_unless_memory_is_short(
     packed_outputs, packed_logits = generate_paged(model, prompts, 5)
     assert 3 in stack_calls
 
-    # Too little memory for the copies: the tiled gemm takes every row, with the same bits.
+    # Too little memory for the copies: the tiled gemm takes 2-64 rows, with the same bits.
     monkeypatch.setattr(
         linear_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=1)
     )

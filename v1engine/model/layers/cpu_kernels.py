@@ -1,6 +1,6 @@
 """Our compiled CPU kernels for decode steps, as torch ops: the matmul of up to a few dozen
-tokens (float32: `cpu_gemm_packed.c` on weights packed at load time, then the tiled
-`cpu_gemm.c`; bfloat16: `cpu_gemv.c`), paged attention and its K/V write
+tokens (float32: `cpu_gemv.c` for one, `cpu_gemm_packed.c` on weights packed at load time, then
+the tiled `cpu_gemm.c`; bfloat16: `cpu_gemv.c`), paged attention and its K/V write
 (`cpu_paged_attention.c`), RMSNorm with its residual add (`cpu_rms_norm.c`), rotary embedding and
 SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
 times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
