@@ -55,16 +55,8 @@ def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-KERNELS = {
-    "F.linear": Kernel(F.linear),
-    "oneDNN": Kernel(onednn),
-    "cpu_gemv": Kernel(cpu_kernels.gemv),
-    "cpu_gemm": Kernel(cpu_kernels.gemm),
-    "cpu_gemm_packed": Kernel(
-        lambda x, packed: cpu_kernels.gemm_packed(x, packed[0], packed[1]),
-        lambda weight: (cpu_kernels.pack_weight(weight), weight.shape[0]),
-    ),
-}
+# Ours are added by add_builds, called as the engine calls them (_kernel_builds.build).
+KERNELS = {"F.linear": Kernel(F.linear), "oneDNN": Kernel(onednn)}
 NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
 
@@ -76,13 +68,14 @@ def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
 
 
 def add_builds(args: argparse.Namespace, workdir: str) -> None:
-    """Registers our kernels built from the working tree and from `--baseline-ref`."""
+    """Registers our kernels: the working tree's (the library every process loads) and, with
+    `--baseline-ref`, the ref's, named `cpu_gemm@tree` and `cpu_gemm@REF`."""
     dtype = getattr(torch, args.dtype)
-    # The tree's build replaces cpu_kernels' entries (the same code), so each is timed once.
-    del KERNELS["cpu_gemv"], KERNELS["cpu_gemm"], KERNELS["cpu_gemm_packed"]
-    for label, ref in (("tree", None), (args.baseline_ref, args.baseline_ref)):
-        for name, fn in build(ref, dtype, workdir).items():
-            KERNELS[f"{name}@{label}"] = fn
+    ref = args.baseline_ref
+    builds = [(None, "@tree" if ref else "")] + ([(ref, f"@{ref}")] if ref else [])
+    for source, label in builds:
+        for name, kernel in build(source, dtype, workdir).items():
+            KERNELS[name + label] = kernel
 
 
 def same_bits(row: dict, x: torch.Tensor, weight: torch.Tensor, kernels: list[str], ref) -> None:
@@ -166,8 +159,7 @@ def main() -> None:
         raise SystemExit("the CPU kernels did not build here (see the warning above)")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_gemm-") as workdir:
-        if args.baseline_ref:
-            add_builds(args, workdir)
+        add_builds(args, workdir)
         rows = measure_all(args)
     if args.json:
         write_json(args, rows)
