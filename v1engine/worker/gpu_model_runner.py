@@ -36,7 +36,7 @@ from v1engine.model.layers.sampler import Sampler
 from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from v1engine.utils import GiB_bytes
+from v1engine.utils import GiB_bytes, cdiv
 from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import (
     allocate_kv_caches,
@@ -146,7 +146,7 @@ class GPUModelRunner:
         run_lens = query_lens
         if token_limit is not None and sum(query_lens) > token_limit:
             num_reqs = min(len(query_lens), max(1, token_limit // PROFILE_MIN_QUERY_LEN))
-            num_reqs = max(num_reqs, -(-token_limit // self.max_model_len))  # none too long
+            num_reqs = max(num_reqs, cdiv(token_limit, self.max_model_len))  # none too long
             run_lens = _spread(token_limit, num_reqs)
         token_scale = sum(query_lens) / sum(run_lens)
         row_scale = len(query_lens) / len(run_lens)

@@ -42,6 +42,8 @@
 #define ROWS 4
 #endif
 
+#define LINE_FLOATS 16 /* floats per 64-byte cache line, the unit of a prefetch */
+
 long v1e_gemm_panel_width(void) { return PANEL; }
 
 void v1e_pack_weight_f32(const float *w, float *wp, long N, long K)
@@ -75,7 +77,7 @@ struct prefetch {
         for (long k = 0; k < K; k++) {                                                         \
             for (int q = 0; q < pf.per_k; q++)                                                 \
                 if (k * pf.per_k + q < pf.lines)                                               \
-                    __builtin_prefetch(pf.from + (k * pf.per_k + q) * 16, 0, 2);               \
+                    __builtin_prefetch(pf.from + (k * pf.per_k + q) * LINE_FLOATS, 0, 2);      \
             vec weights[VECS];                                                                 \
             _Pragma("GCC unroll 3") for (int v = 0; v < VECS; v++)                             \
                 weights[v] = *(const vec *)(wp + k * PANEL + v * LANES);                       \
@@ -127,7 +129,8 @@ static struct prefetch share_of_next(const float *next, long lines, long block, 
     const long share = (lines + blocks - 1) / blocks;
     const long first = block * share < lines ? block * share : lines;
     const long count = lines - first < share ? lines - first : share;
-    return (struct prefetch){next + first * 16, count, (int)((share + K - 1) / K)};
+    return (struct prefetch){next + first * LINE_FLOATS, count,
+                             (int)((share + K - 1) / K)};
 }
 
 void v1e_gemm_packed_f32(const float *x, const float *wp, const float *b, float *y, long M,
@@ -139,7 +142,7 @@ void v1e_gemm_packed_f32(const float *x, const float *wp, const float *b, float 
         const long n0 = p * PANEL;
         const int width = N - n0 < PANEL ? (int)(N - n0) : PANEL;
         const float *panel = wp + p * K * PANEL;
-        const long next_lines = p + 1 < panels ? K * PANEL / 16 : 0;
+        const long next_lines = p + 1 < panels ? K * PANEL / LINE_FLOATS : 0;
         for (long block = 0; block < blocks; block++) {
             const long m0 = block * ROWS;
             const int rows = M - m0 < ROWS ? (int)(M - m0) : ROWS;

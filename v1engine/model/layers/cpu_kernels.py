@@ -21,6 +21,7 @@ import torch
 
 from v1engine.logger import init_logger
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
+from v1engine.utils import cdiv
 
 logger = init_logger(__name__)
 
@@ -111,7 +112,7 @@ def pack_weight(weight: torch.Tensor, kernels: dict | None = None) -> torch.Tens
     kernels = load_kernels() if kernels is None else kernels
     out_features, in_features = weight.shape
     width = kernels["gemm_panel_width", None]()
-    panels = -(-out_features // width)
+    panels = cdiv(out_features, width)
     packed = torch.empty(panels * in_features * width, dtype=torch.float32)
     kernels["pack_weight", torch.float32](
         weight.data_ptr(), packed.data_ptr(), out_features, in_features
