@@ -47,14 +47,36 @@ def test_null_block_is_reserved_and_never_handed_out() -> None:
         BlockPool(num_blocks=0, enable_caching=True)
 
 
-def test_allocation_takes_the_head_and_frees_join_the_tail() -> None:
+def test_allocation_takes_the_head_and_cached_frees_join_the_tail() -> None:
     pool = BlockPool(num_blocks=5, enable_caching=True)
     a, b, c, d = pool.get_new_blocks(4)
     assert _ids([a, b, c, d]) == [1, 2, 3, 4]
+    pool.cache_full_blocks([a, b, c, d], [b"a", b"b", b"c", b"d"])
     pool.free_blocks([c, a])
     pool.free_blocks([d, b])
     assert _free_ids(pool) == [3, 1, 4, 2]  # least recently freed first
     assert _ids(pool.get_new_blocks(3)) == [3, 1, 4]
+
+
+def test_empty_blocks_are_reused_before_never_used_and_cached_ones() -> None:
+    pool = BlockPool(num_blocks=8, enable_caching=True)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_full_blocks([a], [b"a"])
+    pool.free_blocks([a, b, c])  # a cached: the tail; b, c empty: the head, last freed first
+    assert _free_ids(pool) == [3, 2, 5, 6, 7, 1]
+    assert _ids(pool.get_new_blocks(3)) == [3, 2, 5]  # then never-used blocks, in id order
+    assert pool.get_cached_block(b"a") is a
+
+
+def test_reset_prefix_cache_queues_written_blocks_before_never_used_ones() -> None:
+    pool = BlockPool(num_blocks=8, enable_caching=True)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, [b"x", b"y", b"z"])
+    pool.free_blocks(blocks[::-1])
+    assert _free_ids(pool) == [4, 5, 6, 7, 3, 2, 1]
+    assert pool.reset_prefix_cache() is True
+    assert _free_ids(pool) == [3, 2, 1, 4, 5, 6, 7]
+    assert _ids(pool.get_new_blocks(4)) == [3, 2, 1, 4]
 
 
 def test_ref_counts_keep_shared_blocks_out_of_the_free_queue() -> None:
@@ -66,7 +88,7 @@ def test_ref_counts_keep_shared_blocks_out_of_the_free_queue() -> None:
     pool.free_blocks([block])
     assert block.ref_cnt == 1 and block.block_id not in _free_ids(pool)
     pool.free_blocks([block])
-    assert block.ref_cnt == 0 and _free_ids(pool)[-1] == block.block_id
+    assert block.ref_cnt == 0 and _free_ids(pool)[0] == block.block_id  # empty: reused first
     with pytest.raises(AssertionError, match="double free"):
         pool.free_blocks([block])
 
@@ -88,9 +110,8 @@ def test_eviction_drops_the_hash() -> None:
     pool = BlockPool(num_blocks=3, enable_caching=True)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_blocks([a], [b"h0"])
-    pool.free_blocks([a, b])  # a is evicted first
-    (reused,) = pool.get_new_blocks(1)
-    assert reused is a and a.block_hash is None
+    pool.free_blocks([a, b])  # b, empty, is reused first; then a is evicted
+    assert pool.get_new_blocks(2) == [b, a] and a.block_hash is None
     assert pool.get_cached_block(b"h0") is None
     assert pool.cached_block_hash_to_block == {}
 
@@ -102,7 +123,7 @@ def test_first_cached_copy_wins_a_duplicate_hash() -> None:
     pool.cache_full_blocks([b], [b"same"])
     assert pool.get_cached_block(b"same") is a and b.block_hash is None
     pool.free_blocks([a, b])
-    pool.get_new_blocks(1)  # evicts a
+    pool.get_new_blocks(2)  # b (empty), then a, evicted
     assert pool.get_cached_block(b"same") is None
 
 

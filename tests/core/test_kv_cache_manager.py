@@ -118,13 +118,14 @@ def test_free_returns_every_block_tail_first() -> None:
     pool = manager.block_pool
     assert pool.get_num_free_blocks() == 7 and manager.usage == 0.0
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:]) and manager.req_to_blocks == {}
-    # Never-used blocks first, then each request's blocks from its tail: 4, then 3, 2, 1.
+    # The partial (uncached) last blocks first, the most recently freed first: 3, 4; then the
+    # never-used blocks; then the cached ones from each request's tail: 2, 1.
     assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [
+        3,
+        4,
         5,
         6,
         7,
-        4,
-        3,
         2,
         1,
     ]
@@ -180,9 +181,10 @@ def test_a_hit_needs_the_block_in_every_group() -> None:
     first, _ = _prefill(manager, "a", list(range(9)))
     manager.free(first)
     pool = manager.block_pool
-    # Free queue: 7, 8 (never used), group 0's blocks tail first, then group 1's: taking five
-    # blocks evicts every group-0 copy while group 1 keeps its own.
-    pool.get_new_blocks(5)
+    # Free queue: the groups' partial last blocks 6, 3 (empty, reused first), 7, 8 (never used),
+    # then the cached blocks, group 0's tail first, then group 1's: taking six blocks evicts
+    # every group-0 copy while group 1 keeps its own.
+    pool.get_new_blocks(6)
     assert pool.get_cached_block(first.block_hashes[0], group_id=0) is None
     assert pool.get_cached_block(first.block_hashes[0], group_id=1) is not None
     hits, num_hit_tokens = manager.get_computed_blocks(make_request("b", list(range(9))))
