@@ -200,9 +200,11 @@ class BlockPool:
                 continue
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and block.block_hash is None:
+            if block.ref_cnt > 0:
+                continue
+            if block.block_hash is None:
                 self.free_block_queue.appendleft(block)
-            elif block.ref_cnt == 0:
+            else:
                 self.free_block_queue.append(block)
 
     def reset_prefix_cache(self) -> bool:
