@@ -51,6 +51,7 @@
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
             group_rows(rows, k_cache, table, &at, count, sh->block_size, row_bytes);           \
+            prefetch_group(k_cache, table, &at, n - i0 - count, sh->block_size, row_bytes);    \
             for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j1;                                                                   \
                 seen(u, r, i0, count, &j0, &j1);                                               \
@@ -90,6 +91,7 @@
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
             group_rows(rows, v_cache, table, &at, count, sh->block_size, row_bytes);           \
+            prefetch_group(v_cache, table, &at, n - i0 - count, sh->block_size, row_bytes);    \
             for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j, j1;                                                                \
                 seen(u, r, i0, count, &j0, &j1);                                               \
