@@ -17,7 +17,10 @@ that same checkpoint), the same token-id prompts, greedy, EOS ignored:
 Each round starts every system once (load time reported apart) and runs both workloads; the order
 of the systems is reversed every round. Medians over rounds. The batch-1 decode tokens of every
 system are compared with v1engine's. The script also prints the bandwidth bound of batch-1 decode:
-the weight bytes over a memory-read bandwidth it measures (2 threads summing 1 GiB, best of 5).
+the weight bytes over a memory-read bandwidth it measures (every core summing 1 GiB, best of 5),
+and that bandwidth on one thread, vLLM's: batch-1 decode streams the weights, so the ratio of the
+two is what every core can gain over one thread there. Both are measured before every round, as
+they drift within minutes on a shared VM; the medians are reported.
 
 Each system runs as its users get it: v1engine and llama.cpp on every core (llama.cpp told so),
 vLLM's CPU build with its defaults (it reserves a core and runs the model on one thread).
@@ -75,16 +78,29 @@ def make_workloads(vocab_size: int, seed: int, nano_seqs: int) -> dict[str, list
     return workloads
 
 
-def read_bandwidth_gb_s() -> float:
+def read_bandwidth_gb_s(threads: int) -> float:
+    """GB/s that `threads` threads read at: summing 1 GiB of float32, best of 5."""
     import torch
 
-    data = torch.ones(256 << 20)  # 1 GiB of float32
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(256 << 20)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return data.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_bandwidths(samples: dict[str, list[float]]) -> None:
+    """Appends one read bandwidth on one thread (vLLM's) and one on every core (v1engine's and
+    llama.cpp's): on a shared VM both drift within minutes, so every round measures them."""
+    samples["one_thread"].append(read_bandwidth_gb_s(1))
+    samples["all_threads"].append(read_bandwidth_gb_s(len(os.sched_getaffinity(0))))
 
 
 def run_system(
@@ -181,7 +197,9 @@ def main() -> None:
         json.dump(make_workloads(vocab_size, args.seed, args.nano_seqs), workloads)
         workloads.flush()
         order = list(systems)
+        bandwidths: dict[str, list[float]] = {"one_thread": [], "all_threads": []}
         for round_index in range(args.rounds):
+            measure_bandwidths(bandwidths)
             for name in order if round_index % 2 == 0 else order[::-1]:
                 python, model = systems[name]
                 runs[name].append(run_system(name, python, model, workloads.name, args))
@@ -194,9 +212,16 @@ def main() -> None:
     weights_bytes = os.path.getsize(os.path.join(checkpoint, "model.safetensors"))
     if args.dtype == "bfloat16":
         weights_bytes //= 2
-    bandwidth = read_bandwidth_gb_s()
+    bandwidth = statistics.median(bandwidths["all_threads"])
+    one_thread = statistics.median(bandwidths["one_thread"])
     bound_ms = weights_bytes / (bandwidth * 1e9) * 1e3
     print_results(results, weights_bytes, bandwidth, bound_ms)
+    print(
+        f"read bandwidth per round: one thread {fmt(bandwidths['one_thread'])} GB/s, every core "
+        f"{fmt(bandwidths['all_threads'])} GB/s; a batch-1 decode that reads its weights at the "
+        f"same share of the bandwidth on every core as a one-thread system does on one thread is "
+        f"{bandwidth / one_thread:.2f}x as fast"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -205,12 +230,18 @@ def main() -> None:
                     "machine": cpu_machine_info(),
                     "weights_bytes": weights_bytes,
                     "read_bandwidth_gb_s": bandwidth,
+                    "read_bandwidth_one_thread_gb_s": one_thread,
+                    "read_bandwidth_rounds": bandwidths,
                     "decode1_bound_ms_per_token": bound_ms,
                     "results": results,
                 },
                 f,
                 indent=1,
             )
+
+
+def fmt(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
 
 
 def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms: float) -> None:
