@@ -64,10 +64,12 @@ static inline void group_rows(const char **rows, const char *cache, const int32_
    read a group's rows head by head (a 256-byte slice of each of 16 rows, then the next slice),
    and the next group is often another block elsewhere in the cache: the hardware prefetcher
    follows neither, so a decode's keys came in at ~15 GB/s per thread, under half of what a
-   plain read gets. scripts/bench_attention.py, 2-core AMD EPYC (Zen 5), same run, against the
-   passes without it: 192+1x64 0.41-0.47 against 0.56-0.71 ms per layer, 1024+1x64 3.26-3.36
-   against 3.76-4.13. Not in the blocked passes: a prefill's units re-read the same keys from
-   L2 there, and the extra instructions made them 25-35% slower. */
+   plain read gets. scripts/bench_attention.py --baseline-ref 978ffd1 (without it), 2-core AMD
+   EPYC (Zen 5), float32: 64 decodes over 192 keys 0.40 against 0.47 ms per layer, over 1024
+   keys 3.05 against 3.60; cases small enough to stay in cache between the benchmark's repeats
+   (32 x 64 keys, 1 x 128) ~10% slower, but in the engine a layer's keys leave the cache while
+   the other layers' weights stream through. Not in the blocked passes: a prefill's units
+   re-read the same keys from L2 there, and the extra instructions made them 25-35% slower. */
 static inline void prefetch_group(const char *cache, const int32_t *table, const struct cursor *at,
                                   long remaining, long block_size, long row_bytes)
 {
