@@ -40,6 +40,13 @@ static inline struct cursor cursor_at(long pos, long block_size)
     return (struct cursor){pos / block_size, pos % block_size};
 }
 
+/* Where the table's `block`-th block starts in the cache (`block_bytes` = block_size rows). */
+static inline const char *block_start(const char *cache, const int32_t *table, long block,
+                                      long block_bytes)
+{
+    return cache + (long)table[block] * block_bytes;
+}
+
 /* The cache rows of the next `count` (<= LANES) positions at *at, which it then advances past
    them, walking the block table block by block; slots past `count` repeat the last row, so that
    a partial group reads valid memory. */
@@ -47,12 +54,12 @@ static inline void group_rows(const char **rows, const char *cache, const int32_
                               struct cursor *at, long count, long block_size, long row_bytes)
 {
     const long block_bytes = block_size * row_bytes;
-    const char *base = cache + (long)table[at->block] * block_bytes;
+    const char *base = block_start(cache, table, at->block, block_bytes);
     for (long j = 0; j < count; j++) {
         rows[j] = base + at->offset * row_bytes;
         if (++at->offset == block_size) {
             at->offset = 0;
-            if (j + 1 < count) base = cache + (long)table[++at->block] * block_bytes;
+            if (j + 1 < count) base = block_start(cache, table, ++at->block, block_bytes);
             else at->block++;
         }
     }
@@ -77,7 +84,8 @@ static inline void prefetch_group(const char *cache, const int32_t *table, const
     long rows = block_size - at->offset;
     if (rows > LANES) rows = LANES;
     if (rows > remaining) rows = remaining;
-    const char *start = cache + ((long)table[at->block] * block_size + at->offset) * row_bytes;
+    const char *start =
+        block_start(cache, table, at->block, block_size * row_bytes) + at->offset * row_bytes;
     for (long b = 0; b < rows * row_bytes; b += 64) __builtin_prefetch(start + b);
 }
 
