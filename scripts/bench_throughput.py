@@ -6,8 +6,9 @@ transformers gets its best honest shape: requests sorted by output length and ge
 left-padded batches, so padding waste is small; only the requested output tokens count for either
 system. Same weights (the default SmolLM2 GGUF, dequantized), same dtype, same thread count. The
 prefix cache is emptied before each v1engine run, so no repeat reuses an earlier one's prefill.
-`--device cuda` runs both systems on the first GPU (v1engine eager, transformers' default
-attention), timing until the last token is on the host.
+`--device cuda` runs both systems on the first GPU (transformers with its default attention),
+timing until the last token is on the host; `--eager-baseline` adds v1engine with
+`enforce_eager=True` (no CUDA graphs) as a third system in the same alternating run.
 
     python scripts/bench_throughput.py --num-requests 64 --repeats 3 --json throughput.json
 """
@@ -95,23 +96,33 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     checkpoint = prepare_checkpoint(model_path)
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    llm = LLM(model_path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
-    hf_model = load_transformers_model(checkpoint, dtype, args.device)
-    requests = make_requests(args, hf_model.config.vocab_size)
-    output_tokens = sum(n for _, n in requests)
-    times: dict[str, list[float]] = {"v1engine": [], "transformers": []}
+    engine_kwargs: dict[str, Any] = dict(
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+    )
+    if args.kv_cache_gib is not None:
+        engine_kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    engines = {"v1engine": LLM(model_path, **engine_kwargs)}
     try:
-        run_v1engine(llm, requests[:4])  # warm-up
+        if args.eager_baseline:
+            engines["v1engine-eager"] = LLM(model_path, enforce_eager=True, **engine_kwargs)
+        hf_model = load_transformers_model(checkpoint, dtype, args.device)
+        requests = make_requests(args, hf_model.config.vocab_size)
+        systems = [*engines, "transformers"]
+        times: dict[str, list[float]] = {system: [] for system in systems}
+        for llm in engines.values():
+            run_v1engine(llm, requests[:4])  # warm-up
         for repeat in range(args.repeats):
-            order = ["v1engine", "transformers"][:: 1 if repeat % 2 == 0 else -1]
-            for system in order:
-                if system == "v1engine":
-                    times[system].append(run_v1engine(llm, requests))
+            shift = repeat % len(systems)  # each system takes each place in turn
+            for system in systems[shift:] + systems[:shift]:
+                if system in engines:
+                    times[system].append(run_v1engine(engines[system], requests))
                 else:
                     times[system].append(run_transformers(hf_model, requests, args.hf_batch_size))
                 print(f"repeat {repeat + 1}: {system} {times[system][-1]:.2f} s", flush=True)
     finally:
-        llm.shutdown()
+        for llm in engines.values():
+            llm.shutdown()
+    output_tokens = sum(n for _, n in requests)
     return [_record(system, s, output_tokens, args) for system, s in times.items()]
 
 
@@ -149,27 +160,40 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--eager-baseline", action="store_true", help="also v1engine with enforce_eager=True"
+    )
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="fixed KV cache size per engine"
+    )
     p.add_argument("--json", default=None, help="write the results here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.eager_baseline and args.device == "cuda" and args.kv_cache_gib is None:
+        args.kv_cache_gib = 4.0  # two engines on one GPU: neither may take 90% of it
+    return args
 
 
 def main() -> None:
     args = parse_args()
     results = measure(args)
-    ours, theirs = results
-    ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    by_system = {r["system"]: r["output_tokens_per_s"] for r in results}
     for r in results:
         print(
-            f"{r['system']:>12}: {r['output_tokens_per_s']:8.1f} output tokens/s "
+            f"{r['system']:>14}: {r['output_tokens_per_s']:8.1f} output tokens/s "
             f"(median of {r['repeats']}: {r['median_s']:.2f} s)"
         )
+    ratio = by_system["v1engine"] / by_system["transformers"]
     print(f"v1engine / transformers = {ratio:.2f}x")
+    ratios = {"v1engine/transformers": round(ratio, 3)}
+    if "v1engine-eager" in by_system:
+        eager_ratio = by_system["v1engine"] / by_system["v1engine-eager"]
+        print(f"v1engine / v1engine-eager = {eager_ratio:.2f}x")
+        ratios["v1engine/v1engine-eager"] = round(eager_ratio, 3)
     if args.json:
         machine = cpu_machine_info() if args.device == "cpu" else cuda_machine_info()
         with open(args.json, "w") as f:
-            json.dump(
-                {"machine": machine, "results": results, "ratio": round(ratio, 3)}, f, indent=2
-            )
+            record = {"machine": machine, "results": results, "ratio": round(ratio, 3)}
+            json.dump({**record, "ratios": ratios}, f, indent=2)
 
 
 if __name__ == "__main__":

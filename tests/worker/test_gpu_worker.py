@@ -36,6 +36,11 @@ def placement(worker) -> dict:
     }
 
 
+def graph_replays(worker) -> int | None:
+    graphs = worker.model_runner.cuda_graphs
+    return None if graphs is None else graphs.num_replays
+
+
 @pytest.fixture(scope="module")
 def llama_path(tmp_path_factory) -> str:
     return make_checkpoint(tmp_path_factory.mktemp("gpu"), "llama")
@@ -50,8 +55,12 @@ def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
         hf_model = load_hf_model(llama_path)
         vocab_size = hf_model.config.vocab_size
         requests, record = run_mixed_scenario(executor_step(executor), kv_cache_config, vocab_size)
+        [replays] = executor.collective_rpc(graph_replays)
     finally:
         executor.shutdown()
+    # The decode-only steps replayed the captured CUDA graphs (padded to 1, 2, 4 or 8 requests);
+    # the parity check below covers their tokens and logits.
+    assert replays is not None and replays > 0
     assert where == {
         "device": "cuda:0",
         "param_device": "cuda:0",
@@ -59,6 +68,18 @@ def test_cuda_worker_places_everything_on_its_device_with_nccl(llama_path):
         "backend": "nccl",
     }
     check_parity_with_hf(hf_model, requests, record, GPU_ATOL)
+
+
+def test_enforce_eager_captures_no_cuda_graphs(llama_path):
+    config = make_engine_config(
+        llama_path, device="cuda", kv_cache_memory_bytes=16 << 20, enforce_eager=True
+    )
+    executor = MultiprocExecutor(config)
+    try:
+        run_kv_cache_handshake(executor)
+        assert executor.collective_rpc(graph_replays) == [None]
+    finally:
+        executor.shutdown()
 
 
 def test_cuda_memory_profile(llama_path):

@@ -37,6 +37,7 @@ from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes, cdiv
+from v1engine.worker.cuda_graphs import DecodeCudaGraphs
 from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import (
     allocate_kv_caches,
@@ -94,6 +95,8 @@ class GPUModelRunner:
         # Per KV cache group, the spec its attention metadata is built for.
         self.kv_cache_group_specs: list[AttentionSpec] = []
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Captured by capture_cuda_graphs (CUDA only); decode-only steps replay them.
+        self.cuda_graphs: DecodeCudaGraphs | None = None
 
     # -- start-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -200,7 +203,25 @@ class GPUModelRunner:
         num_decodes = min(_WARM_UP_NUM_DECODES, self.max_num_reqs - 1, self.max_num_tokens - 1)
         self._dummy_run([prefill_len] + [1] * max(0, num_decodes))
 
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Captures the decode forward at fixed batch sizes (`cuda_graphs.py`); after
+        `initialize_kv_cache`, since the graphs hold the caches' addresses."""
+        if self.states is None:
+            raise RuntimeError("capture_cuda_graphs needs the KV cache: run initialize_kv_cache")
+        graphs = DecodeCudaGraphs(
+            self.model,
+            self.attn_backend,
+            self.kv_cache_group_specs,
+            min(self.max_num_reqs, self.max_num_tokens),  # the largest decode-only step
+            self.max_model_len,
+            self.device,
+        )
+        graphs.capture()
+        self.cuda_graphs = graphs
+
     def shutdown(self) -> None:
+        self.cuda_graphs = None  # the graphs hold the caches' addresses
         unbind_kv_caches(self.attn_layers)
         self.kv_caches = {}
         self.states = None
@@ -209,6 +230,8 @@ class GPUModelRunner:
     # -- one step --------------------------------------------------------------------------------
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model over the step's tokens: [num_tokens, hidden_size]."""
+        if self.cuda_graphs is not None and self.cuda_graphs.fits(inputs):
+            return self.cuda_graphs.replay(inputs)
         with set_forward_context(inputs.query_start_loc, self.attn_backend, inputs.attn_metadata):
             return self.model(inputs.input_ids, inputs.positions)
 

@@ -154,11 +154,16 @@ class Worker(WorkerBase):
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
-        # TODO(issue 4): capture CUDA graphs for decode batch sizes unless enforce_eager; the
-        # runner is eager everywhere for now.
-        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
-            info_once(logger, "CUDA graphs are not captured yet; running eagerly")
         self.model_runner.warm_up()
+        if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
+            if self.config.parallel_config.world_size == 1:
+                self.model_runner.capture_cuda_graphs()
+            else:
+                # torch.distributed's all-reduce inside a captured graph has not run here yet.
+                info_once(
+                    logger,
+                    "CUDA graphs are captured at tensor_parallel_size 1 only; running eagerly",
+                )
         # The warm-up drew random numbers; restart so unseeded sampling follows the seed alone.
         torch.manual_seed(self.config.model_config.seed)
 

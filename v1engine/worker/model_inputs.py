@@ -35,6 +35,9 @@ class ModelInputs:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     # Per KV cache group, built by the attention backend; None: no KV cache (profiling).
     attn_metadata: list[Any] | None
+    # Per KV cache group, what the backend built attn_metadata from (the CUDA graphs copy it
+    # into their static buffers); None with attn_metadata.
+    common_metadata: list[CommonAttentionMetadata] | None
     # [num_sampling_reqs] int64: the flat index of each sampling request's last token.
     logits_indices: torch.Tensor
     # Batch rows that sample this step, in row order (rows of logits_indices).
@@ -150,6 +153,7 @@ def build_model_inputs(
         positions=_to_device(layout.positions, torch.int64, device),
         query_start_loc=query_start_loc,
         attn_metadata=build_attn_metadata(attn_backend, kv_cache_group_specs, per_group),
+        common_metadata=per_group or None,
         logits_indices=_to_device(logits_indices, torch.int64, device),
         sampling_rows=sampling_rows.tolist(),
     )
@@ -183,6 +187,7 @@ def build_dummy_model_inputs(
         positions=positions,
         query_start_loc=query_start_loc,
         attn_metadata=build_attn_metadata(attn_backend, kv_cache_group_specs, per_group),
+        common_metadata=per_group or None,
         logits_indices=query_start_loc[1:].long() - 1,
         sampling_rows=list(range(len(query_lens))),
     )
