@@ -3,8 +3,9 @@
 The model runner picks one backend per process (`get_default_attention_backend`) and asks it
 once per step and KV cache group to turn the group's `CommonAttentionMetadata` into its own
 metadata (the torch backend plans its gathers there); every layer of the group then writes K/V
-and attends with that metadata. A static-shape decode path (issue 12) belongs here too: a backend
-whose `build_metadata` pads decode batches to fixed sizes that a captured graph can replay.
+and attends with that metadata. Under CUDA graphs (`worker/cuda_graphs.py`) `build_metadata` runs
+once per captured size, on static buffers, so a backend used there must build its metadata with
+device work alone (no host reads of the tensors).
 
 The batch contract: a step's tokens are flattened; request r owns query rows
 `query_start_loc[r] : query_start_loc[r + 1]`, which are its *last* `query_len_r` tokens, so a

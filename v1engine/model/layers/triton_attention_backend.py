@@ -2,7 +2,8 @@
 
 Importing this module imports triton, so the registry loads it only when asked for "triton".
 The kernels read the common metadata as it is: tile counts and KV splits are chosen per layer
-call from the query's shape, which the metadata alone does not give.
+call from the query's shape, which the metadata alone does not give, and from `max_seq_len`
+(max_model_len in a captured CUDA graph, so its splits cover any request a replay meets).
 """
 
 from __future__ import annotations
