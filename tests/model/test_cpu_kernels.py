@@ -4,6 +4,7 @@ decode attention kernel is tested through its backend, test_attention_cpu.py.)""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -176,13 +177,32 @@ def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch
     assert not (tmp_path / "kernels").exists()
 
 
+def _mapped_file(address: int) -> str:
+    """The file mapped at `address` in this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return rest[-1]
+    raise AssertionError(f"nothing is mapped at {address:#x}")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
 def test_kernel_threads_are_torchs_openmp_runtime():
     # A second OpenMP runtime would bring its own thread pool: twice the threads on the cores.
+    # Other packages may carry private copies (scikit-learn's libgomp-<hash>.so, which
+    # transformers loads where it is installed); what matters is the runtime our library binds.
     cpu_kernels.gemv(torch.randn(1, 8), torch.randn(4, 8))
-    with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
-    assert len(runtimes) == 1, runtimes
+    ours = ctypes.CDLL(cpu_kernel_library.build_library())  # the loaded library, looked up again
+    libtorch = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+
+    def runtime(library: ctypes.CDLL) -> str:
+        # dlsym through a library's handle finds the symbol its dependencies provide.
+        return _mapped_file(ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value)
+
+    assert runtime(ours) == runtime(libtorch)
+    assert "gomp" in runtime(ours) or "iomp" in runtime(ours)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
