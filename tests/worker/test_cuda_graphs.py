@@ -15,7 +15,10 @@ import os
 import pytest
 import torch
 
+from tests.model.checkpoints import make_checkpoint
 from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
+from tests.worker.worker_utils import make_engine_config, run_kv_cache_handshake
+from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.model.layers import triton_attention as ta
 from v1engine.worker.cuda_graphs import DecodeInputBuffers, capture_sizes
 from v1engine.worker.model_inputs import ModelInputs
@@ -90,3 +93,20 @@ def test_padded_decode_step_attends_and_writes_like_the_step_alone() -> None:
     torch.testing.assert_close(padded_out[:3], out, atol=1e-5, rtol=1e-5)
     assert torch.count_nonzero(padded_out[3]) == 0  # a padding request sees no key
     assert all(torch.equal(a, b) for a, b in zip(padded_caches, caches))  # and writes nothing
+
+
+def _capture_and_report(worker) -> bool:
+    worker.model_runner.capture_cuda_graphs()
+    return worker.model_runner.cuda_graphs is not None
+
+
+def test_a_backend_that_reads_metadata_on_the_host_is_never_captured(tmp_path) -> None:
+    # The CPU and torch backends read their metadata on the host, so a graph would bake in the
+    # capture's values: the runner declines (on any device) rather than capture them.
+    config = make_engine_config(make_checkpoint(tmp_path, "llama"))
+    executor = MultiprocExecutor(config)
+    try:
+        run_kv_cache_handshake(executor)
+        assert executor.collective_rpc(_capture_and_report) == [False]
+    finally:
+        executor.shutdown()

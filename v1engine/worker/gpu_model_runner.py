@@ -209,6 +209,13 @@ class GPUModelRunner:
         `initialize_kv_cache`, since the graphs hold the caches' addresses."""
         if self.states is None:
             raise RuntimeError("capture_cuda_graphs needs the KV cache: run initialize_kv_cache")
+        if not self.attn_backend.supports_cuda_graphs:
+            info_once(
+                logger,
+                "The %s attention backend cannot run in a CUDA graph; running eagerly",
+                self.attn_backend.name,
+            )
+            return
         graphs = DecodeCudaGraphs(
             self.model,
             self.attn_backend,

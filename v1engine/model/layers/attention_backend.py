@@ -64,6 +64,9 @@ class AttentionBackend(Protocol[MetadataT]):
     needs lives in the metadata `build_metadata` returns, which every layer of the group reads."""
 
     name: str
+    # Whether a CUDA graph may capture this backend: `build_metadata` and `forward` on device
+    # work alone, with launches that depend on shapes and `max_seq_len` only.
+    supports_cuda_graphs: bool
 
     def build_metadata(
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec

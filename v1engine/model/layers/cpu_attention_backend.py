@@ -60,6 +60,7 @@ class CpuAttentionBackend:
     """The `AttentionBackend` for CPUs: our kernel, the torch backend where it cannot read."""
 
     name = "cpu"
+    supports_cuda_graphs = False
 
     def __init__(self) -> None:
         self._torch = TorchAttentionBackend()

@@ -34,6 +34,7 @@ class TorchAttentionBackend:
     """The `AttentionBackend` for any device torch runs on; its metadata carries the step plan."""
 
     name = "torch"
+    supports_cuda_graphs = False  # plans its gathers from host copies of the metadata
 
     def build_metadata(
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec

@@ -17,6 +17,7 @@ from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVC
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_cuda_graphs = True
 
     def build_metadata(
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
