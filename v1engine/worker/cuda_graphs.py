@@ -1,9 +1,11 @@
 """CUDA graphs of the decode forward: one graph per padded batch size, replayed for decode steps.
 
 On a GPU a small model's decode step is bound by the host, not the device: the eager forward
-launches a dozen kernels per layer from Python (on an H100, SmolLM2-135M's bf16 decode step took
+launches dozens of kernels per layer from Python (on an H100, SmolLM2-135M's bf16 decode step took
 ~29 ms at batch 1 and ~31 ms at batch 64, the GPU idle most of it). A graph captured once launches
-the whole forward with one call. vLLM captures its decode batches the same way, by default.
+the whole forward with one call. vLLM captures its decode batches the same way, by default. (On
+the H100 the batch-1 step fell to 3.7 ms, ~2.3 of them waiting for the GPU to run the graph's
+dozens of small kernels per layer: fusing the norms and the rotary embedding would shorten it.)
 
 A graph replays fixed kernels on fixed addresses with fixed scalar arguments, so everything a
 step varies lives in static buffers that the replay reads:
@@ -67,7 +69,6 @@ class DecodeInputBuffers:
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.input_ids = zeros(max_batch_size, dtype=torch.int64)
         self.positions = zeros(max_batch_size, dtype=torch.int64)
@@ -103,10 +104,9 @@ class DecodeInputBuffers:
         num_reqs = inputs.input_ids.shape[0]
         self.input_ids[:num_reqs].copy_(inputs.input_ids)
         self.positions[:num_reqs].copy_(inputs.positions)
+        self.seq_lens[:num_reqs].copy_(inputs.common_metadata[0].seq_lens)  # shared by groups
         self.seq_lens[num_reqs:batch_size].zero_()
         for g, common in enumerate(inputs.common_metadata):
-            if g == 0:  # seq_lens are shared by the groups
-                self.seq_lens[:num_reqs].copy_(common.seq_lens)
             self.slot_mappings[g][:num_reqs].copy_(common.slot_mapping)
             self.slot_mappings[g][num_reqs:batch_size].fill_(-1)
             width = common.block_table.shape[1]
