@@ -25,6 +25,9 @@ they drift within minutes on a shared VM; the medians are reported.
 Each system runs as its users get it: v1engine and llama.cpp on every core (llama.cpp told so),
 vLLM's CPU build with its defaults (it reserves a core and runs the model on one thread).
 `--with-sync` adds v1engine with async scheduling off (`v1engine-sync`), the baseline for it.
+`--baseline-ref REF` adds v1engine as of git REF (`v1engine@REF`, from a worktree), the baseline
+for a change; `--num-requests N` sizes the throughput workload (more than 64 requests puts more
+than 64 decodes in a step).
 
 The peers' venvs (scratch, outside the repository):
     python3 -m venv ~/.cache/v1engine/peers/vllm-venv
@@ -52,15 +55,17 @@ import sys
 import tempfile
 import time
 
-from _bench_utils import cpu_machine_info
+from _bench_utils import checkout_env, cpu_machine_info, worktree
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def make_workloads(vocab_size: int, seed: int, nano_seqs: int) -> dict[str, list]:
+def make_workloads(
+    vocab_size: int, seed: int, nano_seqs: int, num_requests: int
+) -> dict[str, list]:
     rng = random.Random(seed)
     throughput = []
-    for _ in range(64):  # the same draws as bench_throughput.py's defaults
+    for _ in range(num_requests):  # at 64, the same draws as bench_throughput.py's defaults
         prompt_len, output_len = rng.randint(32, 256), rng.randint(16, 128)
         throughput.append(([rng.randrange(100, vocab_size) for _ in range(prompt_len)], output_len))
     decode_rng = random.Random(seed + 1)
@@ -104,16 +109,21 @@ def measure_bandwidths(samples: dict[str, list[float]]) -> None:
 
 
 def run_system(
-    name: str, python: str, model: str, workloads_path: str, args: argparse.Namespace
+    name: str, system: tuple[str, str, str | None], workloads_path: str, args: argparse.Namespace
 ) -> dict:
+    """`system`: (interpreter, model, checkout root or None for this one)."""
+    python, model, root = system
+    scripts = _HERE if root is None else os.path.join(root, "scripts")
+    runner = name.split("@")[0]  # v1engine@REF runs as v1engine from REF's checkout
     threads = len(os.sched_getaffinity(0))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [python, os.path.join(_HERE, "_peer_runner.py"), name, "--model", model]
+        cmd = [python, os.path.join(scripts, "_peer_runner.py"), runner, "--model", model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
         cmd += ["--dtype", args.dtype, "--max-model-len", "2048" if args.nano_seqs else "1024"]
         if args.vllm_memory_utilization is not None:
             cmd += ["--vllm-memory-utilization", str(args.vllm_memory_utilization)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = None if root is None else checkout_env(root)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(out.name) as f:
@@ -171,9 +181,49 @@ def parse_args() -> argparse.Namespace:
         help="vLLM's gpu_memory_utilization (on CPU: the share of the NUMA node's memory it "
         "reserves; lower it where vLLM refuses to start for want of node memory)",
     )
+    p.add_argument("--baseline-ref", default=None, help="also run v1engine as of this git ref")
+    p.add_argument(
+        "--num-requests", type=int, default=64, help="requests in the throughput workload"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args()
+
+
+def make_systems(
+    args: argparse.Namespace, checkpoint: str, baseline_root: str | None
+) -> dict[str, tuple[str, str, str | None]]:
+    """Name -> (interpreter, model, checkout root: None for this one)."""
+    systems = {"v1engine": (sys.executable, checkpoint, None)}
+    if baseline_root is not None:
+        systems[f"v1engine@{args.baseline_ref}"] = (sys.executable, checkpoint, baseline_root)
+    if args.with_sync:
+        systems["v1engine-sync"] = (sys.executable, checkpoint, None)
+    if args.vllm_python:
+        systems["vllm"] = (args.vllm_python, checkpoint, None)
+    if args.llama_cpp_python:
+        systems["llama.cpp"] = (args.llama_cpp_python, args.gguf_f32, None)
+    return systems
+
+
+def run_rounds(
+    systems: dict[str, tuple[str, str, str | None]], vocab_size: int, args: argparse.Namespace
+) -> tuple[dict[str, list[dict]], dict[str, list[float]]]:
+    """Every system once per round, in reversed order every other round; the bandwidths
+    measured before each round."""
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    bandwidths: dict[str, list[float]] = {"one_thread": [], "all_threads": []}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as workloads:
+        workload = make_workloads(vocab_size, args.seed, args.nano_seqs, args.num_requests)
+        json.dump(workload, workloads)
+        workloads.flush()
+        order = list(systems)
+        for round_index in range(args.rounds):
+            measure_bandwidths(bandwidths)
+            for name in order if round_index % 2 == 0 else order[::-1]:
+                runs[name].append(run_system(name, systems[name], workloads.name, args))
+                print(f"round {round_index + 1}: {name} done", flush=True)
+    return runs, bandwidths
 
 
 def main() -> None:
@@ -183,27 +233,11 @@ def main() -> None:
     checkpoint = prepare_checkpoint(default_model_path())
     print(f"checkpoint: {checkpoint}")
     vocab_size = load_hf_config(checkpoint).vocab_size
-    systems = {"v1engine": (sys.executable, checkpoint)}
-    if args.with_sync:
-        systems["v1engine-sync"] = (sys.executable, checkpoint)
-    if args.vllm_python:
-        systems["vllm"] = (args.vllm_python, checkpoint)
-    if args.llama_cpp_python:
-        if not args.gguf_f32:
-            raise SystemExit("--llama-cpp-python needs --gguf-f32 (see this script's docstring)")
-        systems["llama.cpp"] = (args.llama_cpp_python, args.gguf_f32)
-    runs: dict[str, list[dict]] = {name: [] for name in systems}
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as workloads:
-        json.dump(make_workloads(vocab_size, args.seed, args.nano_seqs), workloads)
-        workloads.flush()
-        order = list(systems)
-        bandwidths: dict[str, list[float]] = {"one_thread": [], "all_threads": []}
-        for round_index in range(args.rounds):
-            measure_bandwidths(bandwidths)
-            for name in order if round_index % 2 == 0 else order[::-1]:
-                python, model = systems[name]
-                runs[name].append(run_system(name, python, model, workloads.name, args))
-                print(f"round {round_index + 1}: {name} done", flush=True)
+    if args.llama_cpp_python and not args.gguf_f32:
+        raise SystemExit("--llama-cpp-python needs --gguf-f32 (see this script's docstring)")
+    with worktree(args.baseline_ref) as baseline_root:
+        systems = make_systems(args, checkpoint, baseline_root)
+        runs, bandwidths = run_rounds(systems, vocab_size, args)
     reference = runs["v1engine"][0]["decode1"]["outputs"][0]
     results = {
         name: summarize(r, None if name == "v1engine" else reference) for name, r in runs.items()
@@ -251,10 +285,10 @@ def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms:
     )
     base = results["v1engine"]
     header = ("system", "throughput tok/s", "decode1 tok/s", "ms/token", "load s")
-    print("{:<13} {:>17} {:>14} {:>9} {:>7}".format(*header))
+    print("{:<18} {:>17} {:>14} {:>9} {:>7}".format(*header))
     for name, r in results.items():
         print(
-            f"{name:<13} {r['throughput_tok_s']:>17.1f} {r['decode1_tok_s']:>14.1f} "
+            f"{name:<18} {r['throughput_tok_s']:>17.1f} {r['decode1_tok_s']:>14.1f} "
             f"{r['decode1_ms_per_token']:>9.1f} {r['load_s']:>7.1f}"
         )
     for name, r in results.items():

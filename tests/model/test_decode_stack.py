@@ -117,7 +117,7 @@ def test_steps_of_more_decodes_than_the_kernels_take_run_the_layers(tmp_path, st
     model = load_model(path, load_hf_config(path), torch.float32, "cpu")
     n = max_kernel_tokens(torch.float32) + 1
     generate_paged(
-        model, make_prompts(model.config.vocab_size, [3] * n), 4, token_budget=256, num_blocks=512
+        model, make_prompts(model.config.vocab_size, [3] * n), 4, token_budget=3 * n, num_blocks=512
     )
     # All n requests prefill in the first step and decode together after: never through the stack.
     assert stack_calls == []

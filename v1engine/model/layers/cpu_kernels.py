@@ -34,13 +34,27 @@ logger = init_logger(__name__)
 _MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 4}
 
 
-# Up to this many rows (float32 only) our matmuls beat oneDNN and MKL (scripts/bench_gemm.py, the
-# SmolLM2 step's matmuls, weights from memory, 2-core Xeon with AVX-512: 48 vs 71 ms at 16 rows,
-# 58 vs 90 at 32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96): the
-# gemm on packed weights up to _MAX_GEMM_PACKED_TOKENS, the tiled gemm past it, where the packed
-# one falls behind (cpu_gemm_packed.c has the decode steps' times).
-_MAX_GEMM_TOKENS = {torch.float32: 64}
+# Up to this many rows (float32 only) our matmuls beat the library that takes the rows past them
+# (scripts/bench_gemm.py, the SmolLM2 step's matmuls, weights from memory): the gemm on packed
+# weights up to _MAX_GEMM_PACKED_TOKENS, the tiled gemm past it, where the packed one falls behind
+# (cpu_gemm_packed.c has the decode steps' times). Where that is depends on the CPU:
+# - Intel, against MKL and oneDNN (2-core Xeon with AVX-512): 48 vs 71 ms at 16 rows, 58 vs 90 at
+#   32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96.
+# - Other CPUs, against oneDNN (2-core AMD EPYC, Zen 5; two runs): 59 vs 73-74 ms at 96 rows,
+#   83 vs 90-93 at 128; 137 vs 141 at 192 (one run), behind at 256 (185 vs 178).
+_MAX_GEMM_TOKENS_INTEL = {torch.float32: 64}
+_MAX_GEMM_TOKENS_OTHER = {torch.float32: 128}
 _MAX_GEMM_PACKED_TOKENS = {torch.float32: 32}
+
+
+@functools.cache
+def is_intel_cpu() -> bool:
+    """Whether /proc/cpuinfo names an Intel CPU (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in f)
+    except OSError:
+        return False
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
@@ -50,7 +64,8 @@ def max_gemv_tokens(dtype: torch.dtype) -> int:
 
 def max_gemm_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
-    return _MAX_GEMM_TOKENS.get(dtype, 0)
+    limits = _MAX_GEMM_TOKENS_INTEL if is_intel_cpu() else _MAX_GEMM_TOKENS_OTHER
+    return limits.get(dtype, 0)
 
 
 def max_gemm_packed_tokens(dtype: torch.dtype) -> int:

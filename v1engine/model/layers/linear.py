@@ -272,13 +272,7 @@ def _kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 @functools.cache
 def _mkl_is_faster() -> bool:
     """Whether float32 matmuls past our kernels go to MKL (F.linear): on Intel CPUs, with MKL."""
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in f)
-    except OSError:
-        return False
+    return torch.backends.mkl.is_available() and cpu_kernels.is_intel_cpu()
 
 
 @functools.cache
