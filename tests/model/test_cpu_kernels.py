@@ -177,6 +177,22 @@ def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch
     assert not (tmp_path / "kernels").exists()
 
 
+@pytest.mark.parametrize(
+    ("vendor", "flags", "most"),
+    [
+        ("GenuineIntel", {"avx512f", "avx2"}, 64),  # measured against MKL on a Xeon
+        ("AuthenticAMD", {"avx512f", "avx2"}, 128),  # measured against oneDNN on Zen 5
+        ("AuthenticAMD", {"avx2"}, 64),  # measured on neither: the Xeon's limit
+        ("", frozenset(), 64),  # /proc/cpuinfo unreadable (or not Linux)
+    ],
+)
+def test_gemm_row_limit_follows_the_cpu_it_was_measured_on(monkeypatch, vendor, flags, most):
+    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda: (vendor, frozenset(flags)))
+    assert cpu_kernels.max_gemm_tokens(torch.float32) == most
+    assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == 0  # no bfloat16 gemm
+    assert max_kernel_tokens(torch.float32) == most
+
+
 def _mapped_file(address: int) -> str:
     """The file mapped at `address` in this process."""
     with open("/proc/self/maps") as f:

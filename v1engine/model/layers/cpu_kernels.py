@@ -40,21 +40,31 @@ _MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 4}
 # (cpu_gemm_packed.c has the decode steps' times). Where that is depends on the CPU:
 # - Intel, against MKL and oneDNN (2-core Xeon with AVX-512): 48 vs 71 ms at 16 rows, 58 vs 90 at
 #   32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96.
-# - Other CPUs, against oneDNN (2-core AMD EPYC, Zen 5; two runs): 59 vs 73-74 ms at 96 rows,
-#   83 vs 90-93 at 128; 137 vs 141 at 192 (one run), behind at 256 (185 vs 178).
-_MAX_GEMM_TOKENS_INTEL = {torch.float32: 64}
-_MAX_GEMM_TOKENS_OTHER = {torch.float32: 128}
+# - Other CPUs with AVX-512, against oneDNN (2-core AMD EPYC, Zen 5; two runs): 59 vs 73-74 ms at
+#   96 rows, 83 vs 90-93 at 128; 137 vs 141 at 192 (one run), behind at 256 (185 vs 178).
+# CPUs measured on neither (AVX2 only, Arm) keep the Xeon's limit.
+_MAX_GEMM_TOKENS = {torch.float32: 64}
+_MAX_GEMM_TOKENS_NON_INTEL_AVX512 = {torch.float32: 128}
 _MAX_GEMM_PACKED_TOKENS = {torch.float32: 32}
 
 
 @functools.cache
-def is_intel_cpu() -> bool:
-    """Whether /proc/cpuinfo names an Intel CPU (False where it cannot be read)."""
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """The vendor and feature flags /proc/cpuinfo gives for the first CPU ("", {} unread)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.split(":")[-1].strip() == "GenuineIntel" for line in f)
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return False
+        pass
+    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
+
+
+def is_intel_cpu() -> bool:
+    """Whether this is an Intel CPU (where MKL and our limits were measured against each other)."""
+    return _cpuinfo()[0] == "GenuineIntel"
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
@@ -64,8 +74,10 @@ def max_gemv_tokens(dtype: torch.dtype) -> int:
 
 def max_gemm_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
-    limits = _MAX_GEMM_TOKENS_INTEL if is_intel_cpu() else _MAX_GEMM_TOKENS_OTHER
-    return limits.get(dtype, 0)
+    vendor, flags = _cpuinfo()
+    if vendor and vendor != "GenuineIntel" and "avx512f" in flags:
+        return _MAX_GEMM_TOKENS_NON_INTEL_AVX512.get(dtype, 0)
+    return _MAX_GEMM_TOKENS.get(dtype, 0)
 
 
 def max_gemm_packed_tokens(dtype: torch.dtype) -> int:
