@@ -187,10 +187,15 @@ def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch
     ],
 )
 def test_gemm_row_limit_follows_the_cpu_it_was_measured_on(monkeypatch, vendor, flags, most):
-    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda: (vendor, frozenset(flags)))
-    assert cpu_kernels.max_gemm_tokens(torch.float32) == most
-    assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == 0  # no bfloat16 gemm
-    assert max_kernel_tokens(torch.float32) == most
+    fields = {"vendor_id": vendor, "flags": " ".join(flags)} if vendor else {}
+    monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda: fields)
+    cpu_kernels._max_gemm_tokens_table.cache_clear()  # chosen once per process
+    try:
+        assert cpu_kernels.max_gemm_tokens(torch.float32) == most
+        assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == 0  # no bfloat16 gemm
+        assert max_kernel_tokens(torch.float32) == most
+    finally:
+        cpu_kernels._max_gemm_tokens_table.cache_clear()  # the real CPU's, next time
 
 
 def _mapped_file(address: int) -> str:

@@ -144,10 +144,20 @@ def compile_library(root: str, path: str, sources: tuple[str, ...] = SOURCES) ->
 
 def _cpu_identity() -> str:
     """What `-march=native` depends on: the architecture and, on Linux, the CPU's feature flags."""
-    flags = ""
+    info = cpuinfo()
+    return f"{platform.machine()} {info.get('flags', info.get('Features', ''))}"
+
+
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo (`vendor_id`, `flags`, Arm's `Features`, ...);
+    empty where it cannot be read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{platform.machine()} {flags.strip()}"
+    return fields

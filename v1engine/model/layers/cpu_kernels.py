@@ -20,7 +20,7 @@ import functools
 import torch
 
 from v1engine.logger import init_logger
-from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, load_kernels
+from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES, cpuinfo, load_kernels
 from v1engine.utils import cdiv
 
 logger = init_logger(__name__)
@@ -48,23 +48,18 @@ _MAX_GEMM_TOKENS_NON_INTEL_AVX512 = {torch.float32: 128}
 _MAX_GEMM_PACKED_TOKENS = {torch.float32: 32}
 
 
-@functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """The vendor and feature flags /proc/cpuinfo gives for the first CPU ("", {} unread)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields.get("vendor_id", ""), frozenset(fields.get("flags", "").split())
-
-
 def is_intel_cpu() -> bool:
     """Whether this is an Intel CPU (where MKL and our limits were measured against each other)."""
-    return _cpuinfo()[0] == "GenuineIntel"
+    return cpuinfo().get("vendor_id") == "GenuineIntel"
+
+
+@functools.cache
+def _max_gemm_tokens_table() -> dict[torch.dtype, int]:
+    """The limits measured on this kind of CPU, chosen once (`linear` asks every call)."""
+    vendor = cpuinfo().get("vendor_id", "")
+    if vendor and vendor != "GenuineIntel" and "avx512f" in cpuinfo().get("flags", "").split():
+        return _MAX_GEMM_TOKENS_NON_INTEL_AVX512
+    return _MAX_GEMM_TOKENS
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
@@ -74,10 +69,7 @@ def max_gemv_tokens(dtype: torch.dtype) -> int:
 
 def max_gemm_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
-    vendor, flags = _cpuinfo()
-    if vendor and vendor != "GenuineIntel" and "avx512f" in flags:
-        return _MAX_GEMM_TOKENS_NON_INTEL_AVX512.get(dtype, 0)
-    return _MAX_GEMM_TOKENS.get(dtype, 0)
+    return _max_gemm_tokens_table().get(dtype, 0)
 
 
 def max_gemm_packed_tokens(dtype: torch.dtype) -> int:
