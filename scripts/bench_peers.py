@@ -54,10 +54,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 from _bench_utils import checkout_env, cpu_machine_info, worktree
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class System(NamedTuple):
+    runner: str  # the _peer_runner.py system it runs as
+    python: str  # its interpreter
+    model: str
+    root: str | None = None  # the checkout it runs from (None: this one)
 
 
 def make_workloads(
@@ -108,16 +116,13 @@ def measure_bandwidths(samples: dict[str, list[float]]) -> None:
     samples["all_threads"].append(read_bandwidth_gb_s(len(os.sched_getaffinity(0))))
 
 
-def run_system(
-    name: str, system: tuple[str, str, str | None], workloads_path: str, args: argparse.Namespace
-) -> dict:
-    """`system`: (interpreter, model, checkout root or None for this one)."""
-    python, model, root = system
+def run_system(name: str, system: System, workloads_path: str, args: argparse.Namespace) -> dict:
+    root = system.root
     scripts = _HERE if root is None else os.path.join(root, "scripts")
-    runner = name.split("@")[0]  # v1engine@REF runs as v1engine from REF's checkout
     threads = len(os.sched_getaffinity(0))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [python, os.path.join(scripts, "_peer_runner.py"), runner, "--model", model]
+        cmd = [system.python, os.path.join(scripts, "_peer_runner.py"), system.runner]
+        cmd += ["--model", system.model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
         cmd += ["--dtype", args.dtype, "--max-model-len", "2048" if args.nano_seqs else "1024"]
         if args.vllm_memory_utilization is not None:
@@ -192,22 +197,23 @@ def parse_args() -> argparse.Namespace:
 
 def make_systems(
     args: argparse.Namespace, checkpoint: str, baseline_root: str | None
-) -> dict[str, tuple[str, str, str | None]]:
-    """Name -> (interpreter, model, checkout root: None for this one)."""
-    systems = {"v1engine": (sys.executable, checkpoint, None)}
+) -> dict[str, System]:
+    """The systems to run, by the name the results give them."""
+    systems = {"v1engine": System("v1engine", sys.executable, checkpoint)}
     if baseline_root is not None:
-        systems[f"v1engine@{args.baseline_ref}"] = (sys.executable, checkpoint, baseline_root)
+        baseline = System("v1engine", sys.executable, checkpoint, baseline_root)
+        systems[f"v1engine@{args.baseline_ref}"] = baseline
     if args.with_sync:
-        systems["v1engine-sync"] = (sys.executable, checkpoint, None)
+        systems["v1engine-sync"] = System("v1engine-sync", sys.executable, checkpoint)
     if args.vllm_python:
-        systems["vllm"] = (args.vllm_python, checkpoint, None)
+        systems["vllm"] = System("vllm", args.vllm_python, checkpoint)
     if args.llama_cpp_python:
-        systems["llama.cpp"] = (args.llama_cpp_python, args.gguf_f32, None)
+        systems["llama.cpp"] = System("llama.cpp", args.llama_cpp_python, args.gguf_f32)
     return systems
 
 
 def run_rounds(
-    systems: dict[str, tuple[str, str, str | None]], vocab_size: int, args: argparse.Namespace
+    systems: dict[str, System], vocab_size: int, args: argparse.Namespace
 ) -> tuple[dict[str, list[dict]], dict[str, list[float]]]:
     """Every system once per round, in reversed order every other round; the bandwidths
     measured before each round."""
