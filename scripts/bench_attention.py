@@ -14,6 +14,14 @@ causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the 
 `cpu_attention_backend.LONG_PREFILL_ATTENTIONS` row-key pairs in one request, SDPA past it, a
 limit this benchmark is the measure for. Every kernel's output is also compared with the torch
 backend's (the JSON's max_abs_diff_vs_torch).
+
+`--cold` reads a buffer several times the last-level cache before every timed call, so that the
+keys and values come from memory, as in the engine, where a layer's cache rows leave the cache
+while the other layers' weights and caches stream through. Without it, a case whose caches fit
+in the last-level cache (64 decodes over 192 keys: 19 MB) is measured from there. Decode cases
+(`191+1x64`) are where it matters:
+
+    python scripts/bench_attention.py --cold --cases 95+1x64 191+1x64 511+1x64 --baseline-ref HEAD
 """
 
 from __future__ import annotations
@@ -100,6 +108,12 @@ def systems(common, caches, baseline: dict | None) -> dict:
     return calls
 
 
+def evict_caches(buffer: torch.Tensor | None) -> None:
+    """Reads `buffer` (several times the last-level cache), pushing the step's caches out of it."""
+    if buffer is not None:
+        buffer.sum()
+
+
 def measure_case(case: str, args, baseline: dict | None) -> dict:
     cached, new, count = parse_case(case)
     dtype = getattr(torch, args.dtype)
@@ -107,10 +121,12 @@ def measure_case(case: str, args, baseline: dict | None) -> dict:
     query, caches, common = make_step(cached, new, count, dtype, shape)
     calls = systems(common, caches, baseline)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    flush = torch.ones(args.cold_mb << 18) if args.cold else None  # 4-byte floats
     with torch.inference_mode():
         outputs = {name: call(query) for name, call in calls.items()}  # warm-up
         for repeat in range(args.repeats):
             for name in list(calls)[:: 1 if repeat % 2 == 0 else -1]:
+                evict_caches(flush)
                 start = time.perf_counter()
                 calls[name](query)
                 times[name].append(time.perf_counter() - start)
@@ -137,6 +153,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--baseline-ref", default=None, help="git ref whose kernel is measured too")
+    p.add_argument("--cold", action="store_true", help="evict the caches before every call")
+    p.add_argument("--cold-mb", type=int, default=256, help="what --cold reads, in MB")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if not cpu_kernels.available():

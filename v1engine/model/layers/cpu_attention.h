@@ -66,27 +66,45 @@ static inline void group_rows(const char **rows, const char *cache, const int32_
     for (long j = count; j < LANES; j++) rows[j] = rows[count - 1];
 }
 
-/* Asks for the cache rows of the LANES positions after *at (where group_rows left it), whole
-   rows up to the end of their block, while the current group is worked on. The per-key passes
-   read a group's rows head by head (a 256-byte slice of each of 16 rows, then the next slice),
-   and the next group is often another block elsewhere in the cache: the hardware prefetcher
-   follows neither, so a decode's keys came in at ~15 GB/s per thread, under half of what a
-   plain read gets. scripts/bench_attention.py --baseline-ref 978ffd1 (without it), 2-core AMD
-   EPYC (Zen 5), float32: 64 decodes over 192 keys 0.40 against 0.47 ms per layer, over 1024
-   keys 3.05 against 3.60; cases small enough to stay in cache between the benchmark's repeats
-   (32 x 64 keys, 1 x 128) ~10% slower, but in the engine a layer's keys leave the cache while
-   the other layers' weights stream through. Not in the blocked passes: a prefill's units
+/* The cache rows of the LANES positions after *at (where group_rows left it), whole rows up to
+   the end of their block, to be asked for in `steps` slices while the current group is worked on.
+
+   The per-key passes read a group's rows head by head (a 256-byte slice of each of 16 rows, then
+   the next slice), and the next group is often another block elsewhere in the cache: the
+   hardware prefetcher follows neither, so a decode's keys came in at ~15 GB/s per thread, under
+   half of what a plain read gets. Prefetching the next group at once (192 lines at SmolLM2's
+   shape) helped (64 decodes over 192 keys: 0.40 against 0.47 ms per layer without it), but most of
+   such a burst cannot be in flight together, and the lines it fails to start come in later as
+   misses that stall the work. Asked for a slice before each query head's work instead, they
+   stream in while it runs: `bench_attention.py --cold --baseline-ref` (caches evicted before
+   every call, as in the engine), 2-core AMD EPYC (Zen 5), float32, 64 decodes over 96 / 192 /
+   512 keys: 0.25 / 0.55 / 1.38 against 0.34 / 0.63 / 1.61 ms per layer, with the last group of
+   keys also asking for the first group of values. Not in the blocked passes: a prefill's units
    re-read the same keys from L2 there, and the extra instructions made them 25-35% slower. */
-static inline void prefetch_group(const char *cache, const int32_t *table, const struct cursor *at,
-                                  long remaining, long block_size, long row_bytes)
+struct pending {
+    const char *start;
+    long lines, per_step, next;
+};
+
+static inline struct pending pending_group(const char *cache, const int32_t *table,
+                                           const struct cursor *at, long remaining,
+                                           long block_size, long row_bytes, long steps)
 {
-    if (remaining <= 0) return;
+    if (remaining <= 0) return (struct pending){0, 0, 0, 0};
     long rows = block_size - at->offset;
     if (rows > LANES) rows = LANES;
     if (rows > remaining) rows = remaining;
     const char *start =
         block_start(cache, table, at->block, block_size * row_bytes) + at->offset * row_bytes;
-    for (long b = 0; b < rows * row_bytes; b += 64) __builtin_prefetch(start + b);
+    const long lines = (rows * row_bytes + 63) / 64;
+    return (struct pending){start, lines, (lines + steps - 1) / steps, 0};
+}
+
+/* Asks for the next slice of p's lines. */
+static inline void prefetch_slice(struct pending *p)
+{
+    for (long i = 0; i < p->per_step && p->next < p->lines; i++, p->next++)
+        __builtin_prefetch(p->start + p->next * 64);
 }
 
 /* The keys i0 .. i0 + count - 1 that row r sees, as j0 .. j1 - 1 (j1 <= j0: none). */

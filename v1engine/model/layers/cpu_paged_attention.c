@@ -36,7 +36,8 @@
    (row r, query head h, key first + i), `_values` sums the values with the softmax weights and
    scales the sums by the inverse totals. */
 #define VECTOR_PASSES(NAME, T, LOAD, STORE, VECS)                                              \
-    static void NAME##_scores_##VECS(const T *q, const char *k_cache, const int32_t *table,    \
+    static void NAME##_scores_##VECS(const T *q, const char *k_cache, const char *v_cache,    \
+                                     const int32_t *table,                                     \
                                      const struct unit *u, const struct attention_shape *sh,   \
                                      float *scores)                                            \
     {                                                                                          \
@@ -47,15 +48,23 @@
         for (long rh = 0; rh < u->rows * H; rh++)                                              \
             for (int c = 0; c < VECS; c++) query[rh][c] = LOAD(q + (rh * VECS + c) * LANES);    \
         const char *rows[LANES];                                                               \
-        struct cursor at = cursor_at(u->first, sh->block_size);                                \
+        const struct cursor first = cursor_at(u->first, sh->block_size);                      \
+        struct cursor at = first;                                                              \
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
             group_rows(rows, k_cache, table, &at, count, sh->block_size, row_bytes);           \
-            prefetch_group(k_cache, table, &at, n - i0 - count, sh->block_size, row_bytes);    \
+            /* the next keys, or after the last ones the first values */                      \
+            struct pending pf =                                                                \
+                i0 + count < n                                                                 \
+                    ? pending_group(k_cache, table, &at, n - i0 - count, sh->block_size,       \
+                                    row_bytes, u->rows * H)                                    \
+                    : pending_group(v_cache, table, &first, n, sh->block_size, row_bytes,      \
+                                    u->rows * H);                                              \
             for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j1;                                                                   \
                 seen(u, r, i0, count, &j0, &j1);                                               \
                 for (long h = 0; h < H; h++) {                                                 \
+                    prefetch_slice(&pf);                                                       \
                     float *s = scores + (r * H + h) * n + i0;                                  \
                     for (long j = 0; j < count; j++) s[j] = -INFINITY;                         \
                     if (j1 <= j0) continue;                                                    \
@@ -91,11 +100,13 @@
         for (long i0 = 0; i0 < n; i0 += LANES) {                                               \
             long count = n - i0 < LANES ? n - i0 : LANES;                                      \
             group_rows(rows, v_cache, table, &at, count, sh->block_size, row_bytes);           \
-            prefetch_group(v_cache, table, &at, n - i0 - count, sh->block_size, row_bytes);    \
+            struct pending pf = pending_group(v_cache, table, &at, n - i0 - count,             \
+                                              sh->block_size, row_bytes, u->rows * H);         \
             for (long r = 0; r < u->rows; r++) {                                               \
                 long j0, j, j1;                                                                \
                 seen(u, r, i0, count, &j0, &j1);                                               \
                 for (long h = 0; h < H; h++) {                                                 \
+                    prefetch_slice(&pf);                                                       \
                     const long rh = r * H + h, head = head_of[h];                              \
                     const float *p = weights + rh * n + i0;                                    \
                     vec even[VECS], odd[VECS]; /* two keys at a time: two chains of adds */    \
@@ -163,7 +174,7 @@
 /* One unit: scores, softmax, values, by the vector path when the head size allows. */
 #define VECTOR_CASE(NAME, VECS)                                                                \
     case VECS:                                                                                 \
-        NAME##_scores_##VECS(q, k_cache, table, u, sh, scores);                                \
+        NAME##_scores_##VECS(q, k_cache, v_cache, table, u, sh, scores);                       \
         softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
         NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);              \
         return 0;
