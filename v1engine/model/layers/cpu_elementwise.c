@@ -21,10 +21,17 @@
             for (long h = 0; h < heads; h++) {                                                 \
                 const T *xh = x + t * stride + h * D, *c = cos + t * D, *s = sin + t * D;      \
                 T *o = out + (t * heads + h) * D;                                              \
-                for (long i = 0; i < D; i++) {                                                 \
-                    float rotated = i < half ? -LOAD(xh[i + half]) : LOAD(xh[i - half]);       \
+                /* the two halves apart: one select per element kept the loop scalar */       \
+                _Pragma("omp simd")                                                            \
+                for (long i = 0; i < half; i++) {                                              \
                     float a = LOAD(STORE(LOAD(xh[i]) * LOAD(c[i])));                           \
-                    float b = LOAD(STORE(rotated * LOAD(s[i])));                               \
+                    float b = LOAD(STORE(-LOAD(xh[i + half]) * LOAD(s[i])));                   \
+                    o[i] = STORE(a + b);                                                       \
+                }                                                                              \
+                _Pragma("omp simd")                                                            \
+                for (long i = half; i < D; i++) {                                              \
+                    float a = LOAD(STORE(LOAD(xh[i]) * LOAD(c[i])));                           \
+                    float b = LOAD(STORE(LOAD(xh[i - half]) * LOAD(s[i])));                    \
                     o[i] = STORE(a + b);                                                       \
                 }                                                                              \
             }                                                                                  \
