@@ -13,7 +13,9 @@ that same checkpoint), the same token-id prompts, greedy, EOS ignored:
 - decode1: one request, a 128-token prompt, 256 output tokens;
 - nano (with `--nano-seqs N`): nano-vllm's and mini-sglang's benchmark, N sequences (theirs:
   256) whose prompt and output lengths are uniform in 100-1024 (seed 0); a smaller N scales it
-  down for a small machine (32 is about 18k output tokens).
+  down for a small machine (32 is about 18k output tokens);
+- long1 (with `--long-prompt N`): one request, an N-token prompt, 128 output tokens: batch-1
+  decode over a long context, prefill included (a chat with a long history).
 Each round starts every system once (load time reported apart) and runs both workloads; the order
 of the systems is reversed every round. Medians over rounds. The batch-1 decode tokens of every
 system are compared with v1engine's. The script also prints the bandwidth bound of batch-1 decode:
@@ -69,7 +71,7 @@ class System(NamedTuple):
 
 
 def make_workloads(
-    vocab_size: int, seed: int, nano_seqs: int, num_requests: int
+    vocab_size: int, seed: int, nano_seqs: int, num_requests: int, long_prompt: int
 ) -> dict[str, list]:
     rng = random.Random(seed)
     throughput = []
@@ -88,7 +90,18 @@ def make_workloads(
             )
             for _ in range(nano_seqs)
         ]
+    if long_prompt:
+        long_rng = random.Random(seed + 3)
+        workloads["long1"] = [
+            ([long_rng.randrange(100, vocab_size) for _ in range(long_prompt)], 128)
+        ]
     return workloads
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    """What every system is started with: enough for the longest request of the workloads."""
+    longest = max(1024, 2048 if args.nano_seqs else 0, args.long_prompt + 128)
+    return -(-longest // 256) * 256
 
 
 def read_bandwidth_gb_s(threads: int) -> float:
@@ -124,7 +137,7 @@ def run_system(name: str, system: System, workloads_path: str, args: argparse.Na
         cmd = [system.python, os.path.join(scripts, "_peer_runner.py"), system.runner]
         cmd += ["--model", system.model]
         cmd += ["--requests", workloads_path, "--out", out.name, "--threads", str(threads)]
-        cmd += ["--dtype", args.dtype, "--max-model-len", "2048" if args.nano_seqs else "1024"]
+        cmd += ["--dtype", args.dtype, "--max-model-len", str(max_model_len(args))]
         if args.vllm_memory_utilization is not None:
             cmd += ["--vllm-memory-utilization", str(args.vllm_memory_utilization)]
         env = None if root is None else checkout_env(root)
@@ -135,15 +148,25 @@ def run_system(name: str, system: System, workloads_path: str, args: argparse.Na
             return json.load(f)
 
 
-def summarize(runs: list[dict], reference: list[int] | None) -> dict:
+def first_difference(run: dict, reference: dict | None, workload: str) -> int | None:
+    """How many of the workload's first greedy tokens match the reference system's (None: no
+    reference, or a runner that did not return them)."""
+    if reference is None or "outputs" not in run.get(workload, {}):
+        return None
+    tokens, expected = run[workload]["outputs"][0], reference[workload]["outputs"][0]
+    return next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(tokens))
+
+
+def summarize(runs: list[dict], reference: dict | None) -> dict:
+    """Medians over the rounds; `reference`: v1engine's first round, for the greedy tokens."""
     throughput = [r["throughput"]["tokens"] / r["throughput"]["seconds"] for r in runs]
     decode = [r["decode1"]["tokens"] / r["decode1"]["seconds"] for r in runs]
-    tokens = runs[0]["decode1"]["outputs"][0]
-    same = None
-    if reference is not None:
-        same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(tokens))
     nano = [r["nano"]["tokens"] / r["nano"]["seconds"] for r in runs if "nano" in r]
+    long1 = [r["long1"]["tokens"] / r["long1"]["seconds"] for r in runs if "long1" in r]
     return {
+        "long1_tok_s": statistics.median(long1) if long1 else None,
+        "long1_runs": long1,
+        "long1_tokens_equal_to_v1engine_first": first_difference(runs[0], reference, "long1"),
         "nano_tok_s": statistics.median(nano) if nano else None,
         "nano_runs": nano,
         "throughput_tok_s": statistics.median(throughput),
@@ -152,7 +175,7 @@ def summarize(runs: list[dict], reference: list[int] | None) -> dict:
         "decode1_ms_per_token": 1e3 / statistics.median(decode),
         "decode1_runs": decode,
         "load_s": statistics.median(r["load_s"] for r in runs),
-        "decode1_tokens_equal_to_v1engine_first": same,
+        "decode1_tokens_equal_to_v1engine_first": first_difference(runs[0], reference, "decode1"),
     }
 
 
@@ -173,6 +196,12 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=0,
         help="also run nano-vllm's workload with this many sequences (theirs: 256; 0: skip)",
+    )
+    p.add_argument(
+        "--long-prompt",
+        type=int,
+        default=0,
+        help="also run one request of this many prompt tokens and 128 outputs (0: skip)",
     )
     p.add_argument(
         "--with-sync",
@@ -220,7 +249,9 @@ def run_rounds(
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     bandwidths: dict[str, list[float]] = {"one_thread": [], "all_threads": []}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as workloads:
-        workload = make_workloads(vocab_size, args.seed, args.nano_seqs, args.num_requests)
+        workload = make_workloads(
+            vocab_size, args.seed, args.nano_seqs, args.num_requests, args.long_prompt
+        )
         json.dump(workload, workloads)
         workloads.flush()
         order = list(systems)
@@ -244,7 +275,7 @@ def main() -> None:
     with worktree(args.baseline_ref) as baseline_root:
         systems = make_systems(args, checkpoint, baseline_root)
         runs, bandwidths = run_rounds(systems, vocab_size, args)
-    reference = runs["v1engine"][0]["decode1"]["outputs"][0]
+    reference = runs["v1engine"][0]
     results = {
         name: summarize(r, None if name == "v1engine" else reference) for name, r in runs.items()
     }
@@ -308,9 +339,17 @@ def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms:
             )
             if r["nano_tok_s"]:
                 print(f"  nano workload: {base['nano_tok_s'] / r['nano_tok_s']:.2f}x")
+            if r["long1_tok_s"]:
+                print(f"  long1 workload: {base['long1_tok_s'] / r['long1_tok_s']:.2f}x")
     for name, r in results.items():
         if r["nano_tok_s"]:
             print(f"nano workload, {name}: {r['nano_tok_s']:.1f} tok/s")
+        if r["long1_tok_s"]:
+            same = r["long1_tokens_equal_to_v1engine_first"]
+            print(
+                f"long1 workload, {name}: {r['long1_tok_s']:.1f} tok/s (prefill included)"
+                + ("" if same is None else f"; same greedy tokens for the first {same} of 128")
+            )
 
 
 if __name__ == "__main__":
