@@ -8,9 +8,7 @@
    first, no running rescale), then the weighted sum of the values, divided by the softmax's
    total once at the end. Each key row is read once per pass for all the unit's rows and heads,
    so a prefill's keys come from memory once per ROW_BLOCK rows, not once per row. Positions are
-   walked LANES at a time (16 with AVX-512, 8 otherwise), block by block. A float32 step of fewer
-   long decodes than threads cuts each decode's keys into parts instead, one task each, and
-   merges them (cpu_attention_parts.c).
+   walked LANES at a time (16 with AVX-512, 8 otherwise), block by block.
 
    Head sizes that are whole vectors (every real model's: 64, 128, ...) take the vector path: for
    each row and query head, LANES keys' dot products are summed across their lanes by one shuffle
@@ -254,13 +252,11 @@
                                              query_start_loc, &sh, sizeof(T)),                 \
                                NULL, NULL, NULL};                                              \
         const long parts = kp.parts, slots = num_seqs * parts * num_heads;                     \
-        if (parts > 1) {                                                                       \
-            if (!(kp.maxima = malloc(sizeof(float) * slots * (2 + head_size)))) {              \
-                free(units);                                                                   \
-                return 1;                                                                      \
-            }                                                                                  \
-            kp.totals = kp.maxima + slots, kp.sums = kp.totals + slots;                        \
+        if (parts > 1 && !(kp.maxima = malloc(sizeof(float) * slots * (2 + head_size)))) {     \
+            free(units);                                                                       \
+            return 1;                                                                          \
         }                                                                                      \
+        kp.totals = kp.maxima + slots, kp.sums = kp.totals + slots;                            \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
         for (long i = 0; i < num_units * parts; i++) {                                         \
