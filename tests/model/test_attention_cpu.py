@@ -23,23 +23,12 @@ pytestmark = pytest.mark.skipif(
 NUM_BLOCKS = 64
 
 
-def _attend(
-    backend,
-    steps,
-    num_heads,
-    num_kv_heads,
-    head_size,
-    block_size,
-    window,
-    dtype,
-    pad=0,
-    num_blocks=NUM_BLOCKS,
-):
+def _attend(backend, steps, num_heads, num_kv_heads, head_size, block_size, window, dtype, pad=0):
     """One layer's step over caches pre-filled with noise (where a request's prefix would be):
     returns (metadata, out, kv_cache)."""
-    common = build_metadata(BlockAllocator(num_blocks, block_size, seed=1), steps, pad)
+    common = build_metadata(BlockAllocator(NUM_BLOCKS, block_size, seed=1), steps, pad)
     generator = torch.Generator().manual_seed(7)
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_size)
     kv_cache = tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
     key, value = torch.randn(2, common.num_tokens, num_kv_heads, head_size, generator=generator)
     query = torch.randn(common.num_tokens, num_heads, head_size, generator=generator).to(dtype)
@@ -67,33 +56,6 @@ def test_decode_steps_match_the_torch_backend(
     _, expected, expected_kv_cache = _attend(TorchAttentionBackend(), *args)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     assert all(torch.equal(a, b) for a, b in zip(kv_cache, expected_kv_cache))
-
-
-@pytest.mark.parametrize("window", [None, 1100, 700])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 2, 32)])
-def test_a_long_decode_split_between_threads_matches_the_torch_backend(
-    window, num_heads, num_kv_heads, head_size
-):
-    # One float32 decode over 1,501 keys and more threads than sequences: the kernel splits the
-    # keys between the threads (cpu_attention_parts.c) and merges the parts; within a 700-key
-    # window there are too few keys and it does not split. The merge groups the additions by
-    # part, so the result is within rounding of the unsplit one, and the same bits every time.
-    args = ([(0, 1500, 1)], num_heads, num_kv_heads, head_size, 16, window, torch.float32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        _, split, _ = _attend(CpuAttentionBackend(), *args, num_blocks=128)
-        _, again, _ = _attend(CpuAttentionBackend(), *args, num_blocks=128)
-        torch.set_num_threads(1)
-        _, whole, _ = _attend(CpuAttentionBackend(), *args, num_blocks=128)
-    finally:
-        torch.set_num_threads(threads)
-    _, expected, _ = _attend(TorchAttentionBackend(), *args, num_blocks=128)
-    assert torch.equal(split, again)
-    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(split, expected, atol=1e-5, rtol=1e-5)
-    if window == 700:
-        assert torch.equal(split, whole)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -12,7 +12,6 @@
 
 #define MAX_HEAD_VECS 8 /* the vector path takes head sizes up to 8 * LANES */
 #define ROW_BLOCK 8     /* query rows of one sequence attended together */
-#define BLOCKED_MIN_QUERIES 12 /* query vectors per KV head the blocked passes need */
 
 struct attention_shape {
     long num_heads, num_kv_heads, head_size, block_size, window;
@@ -134,40 +133,15 @@ static inline float maximum(const float *p, long n)
 /* scores [rows, H, n] -> the softmax's numerators e^(score - max) per row and head, in place
    (-inf scores become 0), and 1 / their sum per row and head in `inverse_totals`: the values pass
    scales its sums by it once, instead of a division per score here. */
-static inline float exponentiate(float *p, long n, float *top)
-{
-    float total = 0.f;
-    const float m = *top = maximum(p, n);
-    _Pragma("omp simd reduction(+:total)")
-    for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - m);
-    return total;
-}
-
 static inline void softmax(float *scores, long num_rows, long n, float *inverse_totals)
 {
     for (long r = 0; r < num_rows; r++) {
-        float top;
-        inverse_totals[r] = 1.f / exponentiate(scores + r * n, n, &top);
+        float *p = scores + r * n, top = maximum(p, n), total = 0.f;
+        _Pragma("omp simd reduction(+:total)")
+        for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);
+        inverse_totals[r] = 1.f / total;
     }
 }
-
-/* A decode's keys split between threads (cpu_attention_parts.c): `parts` per sequence; per
-   (sequence, part, query head) the maximum score, the sum of the exponentials and the
-   unnormalized sums of the values ([.., head_size]). */
-struct key_parts {
-    long parts;
-    float *maxima, *totals, *sums;
-};
-
-/* How many parts each sequence's keys take: 1 (no split) unless the step qualifies. */
-long v1e_key_parts(long threads, long num_seqs, const int32_t *seq_lens,
-                   const int32_t *query_start_loc, const struct attention_shape *sh,
-                   long element_bytes);
-/* Unit u (one decode row) -> its part `part` of `parts`: a contiguous run of its keys. */
-void v1e_narrow_to_part(struct unit *u, long part, long parts);
-/* The parts' results -> out [num_seqs, num_heads, head_size]. */
-void v1e_merge_parts(const struct key_parts *kp, long num_seqs, const struct attention_shape *sh,
-                     float *out);
 
 /* One unit by the blocked passes (cpu_attention_blocked.c): 1 if it did it, 0 if the unit is not
    theirs (`blocked_attention_applies`), for the per-key passes to do. */

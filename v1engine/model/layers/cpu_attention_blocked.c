@@ -20,7 +20,7 @@
 
 #if LANES == 16
 
-#define SCORE_BLOCK BLOCKED_MIN_QUERIES /* query vectors per pass over a key group */
+#define SCORE_BLOCK 12 /* query vectors per pass over a transposed key group */
 #define MAX_HEAD 128
 
 /* Whether the blocked passes take this unit: enough query vectors to share each transposed key
@@ -28,7 +28,7 @@
 static inline int blocked_attention_applies(const struct unit *u, const struct attention_shape *sh)
 {
     const long G = sh->num_heads / sh->num_kv_heads;
-    return (sh->head_size == 64 || sh->head_size == 128) && u->rows * G >= BLOCKED_MIN_QUERIES;
+    return (sh->head_size == 64 || sh->head_size == 128) && u->rows * G >= SCORE_BLOCK;
 }
 
 /* The unit's query vectors that read one KV head g, i = 0 .. rows * G - 1: row i / G, query head

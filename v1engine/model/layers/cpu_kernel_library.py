@@ -34,7 +34,6 @@ SOURCES = tuple(
         "cpu_gemm_packed.c",
         "cpu_paged_attention.c",
         "cpu_attention_blocked.c",
-        "cpu_attention_parts.c",
         "cpu_rms_norm.c",
         "cpu_elementwise.c",
         "cpu_decoder_stack.c",

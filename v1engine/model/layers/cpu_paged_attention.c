@@ -28,7 +28,6 @@
    step of decodes: T = S); out [T, H, D]. Built with the other kernels into one library
    (cpu_kernel_library.py); returns nonzero if a buffer could not be allocated. */
 
-#include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_attention.h"
@@ -172,22 +171,12 @@
         }                                                                                      \
     }
 
-/* One unit: scores, softmax, values, by the vector path when the head size allows; for a part of
-   a split decode (cpu_attention_parts.c), the part's maxima, totals and unnormalized sums. */
+/* One unit: scores, softmax, values, by the vector path when the head size allows. */
 #define VECTOR_CASE(NAME, VECS)                                                                \
     case VECS:                                                                                 \
         NAME##_scores_##VECS(q, k_cache, v_cache, table, u, sh, scores);                       \
-        if (!part_sums) {                                                                      \
-            softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                    \
-            NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);          \
-            return 0;                                                                          \
-        }                                                                                      \
-        for (long h = 0; h < sh->num_heads; h++) {                                             \
-            part_totals[h] = exponentiate(scores + h * u->n, u->n, part_maxima + h);           \
-            inverse_totals[h] = 1.f;                                                           \
-        }                                                                                      \
-        /* T is float here: only float32 steps are split (v1e_key_parts) */                    \
-        NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, (void *)part_sums); \
+        softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
+        NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);              \
         return 0;
 
 #define PAGED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE, BLOCKED)                            \
@@ -203,13 +192,8 @@
                                                                                                \
     static int NAME##_unit(const T *q, const char *k_cache, const char *v_cache,               \
                            const int32_t *table, const struct unit *u, T *out,                 \
-                           const struct attention_shape *sh, float *scores,                    \
-                           const struct key_parts *kp, long slot)                              \
+                           const struct attention_shape *sh, float *scores)                    \
     {                                                                                          \
-        const long H = sh->num_heads;                                                          \
-        float *part_sums = kp ? kp->sums + slot * H * sh->head_size : NULL;                    \
-        float *part_maxima = kp ? kp->maxima + slot * H : NULL;                                \
-        float *part_totals = kp ? kp->totals + slot * H : NULL;                                \
         if (BLOCKED(q, k_cache, v_cache, table, u, sh, scores, out)) return 0;                 \
         float inverse_totals[u->rows * sh->num_heads];                                         \
         switch (sh->head_size % LANES == 0 ? sh->head_size / LANES : 0) {                      \
@@ -248,32 +232,20 @@
         long *units = plan_units(query_start_loc, num_seqs, &num_units);                       \
         if (!units) return 1;                                                                  \
         const long row_size = num_heads * head_size;                                           \
-        struct key_parts kp = {v1e_key_parts(omp_get_max_threads(), num_seqs, seq_lens,        \
-                                             query_start_loc, &sh, sizeof(T)),                 \
-                               NULL, NULL, NULL};                                              \
-        const long parts = kp.parts, slots = num_seqs * parts * num_heads;                     \
-        if (parts > 1 && !(kp.maxima = malloc(sizeof(float) * slots * (2 + head_size)))) {     \
-            free(units);                                                                       \
-            return 1;                                                                          \
-        }                                                                                      \
-        kp.totals = kp.maxima + slots, kp.sums = kp.totals + slots;                            \
         int failed = 0;                                                                        \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                       \
-        for (long i = 0; i < num_units * parts; i++) {                                         \
-            const long s = units[2 * (i / parts)], row0 = units[2 * (i / parts) + 1];          \
+        for (long i = 0; i < num_units; i++) {                                                 \
+            const long s = units[2 * i], row0 = units[2 * i + 1];                              \
             struct unit u;                                                                     \
             describe_unit(&u, seq_lens[s], query_start_loc, s, row0, window);                  \
-            if (parts > 1) v1e_narrow_to_part(&u, i % parts, parts);                           \
             float *scores = malloc(sizeof(float) * u.rows * num_heads * u.n);                  \
             if (!scores ||                                                                     \
                 NAME##_unit(q + row0 * row_size, (const char *)k_cache, (const char *)v_cache, \
                             block_table + s * table_stride, &u, out + row0 * row_size, &sh,    \
-                            scores, parts > 1 ? &kp : NULL, i))                                \
+                            scores))                                                           \
                 failed = 1;                                                                    \
             free(scores);                                                                      \
         }                                                                                      \
-        if (parts > 1 && !failed) v1e_merge_parts(&kp, num_seqs, &sh, (float *)out);           \
-        free(kp.maxima);                                                                       \
         free(units);                                                                           \
         return failed;                                                                         \
     }
