@@ -157,12 +157,15 @@ def first_difference(run: dict, reference: dict | None, workload: str) -> int | 
     return next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(tokens))
 
 
+def tokens_per_second(runs: list[dict], workload: str) -> list[float]:
+    """The workload's output tokens/s in each round that ran it."""
+    return [r[workload]["tokens"] / r[workload]["seconds"] for r in runs if workload in r]
+
+
 def summarize(runs: list[dict], reference: dict | None) -> dict:
     """Medians over the rounds; `reference`: v1engine's first round, for the greedy tokens."""
-    throughput = [r["throughput"]["tokens"] / r["throughput"]["seconds"] for r in runs]
-    decode = [r["decode1"]["tokens"] / r["decode1"]["seconds"] for r in runs]
-    nano = [r["nano"]["tokens"] / r["nano"]["seconds"] for r in runs if "nano" in r]
-    long1 = [r["long1"]["tokens"] / r["long1"]["seconds"] for r in runs if "long1" in r]
+    throughput, decode = tokens_per_second(runs, "throughput"), tokens_per_second(runs, "decode1")
+    nano, long1 = tokens_per_second(runs, "nano"), tokens_per_second(runs, "long1")
     return {
         "long1_tok_s": statistics.median(long1) if long1 else None,
         "long1_runs": long1,

@@ -56,8 +56,8 @@ def is_intel_cpu() -> bool:
 @functools.cache
 def _max_gemm_tokens_table() -> dict[torch.dtype, int]:
     """The limits measured on this kind of CPU, chosen once (`linear` asks every call)."""
-    vendor = cpuinfo().get("vendor_id", "")
-    if vendor and vendor != "GenuineIntel" and "avx512f" in cpuinfo().get("flags", "").split():
+    info = cpuinfo()  # empty where unreadable: a CPU measured on neither
+    if info.get("vendor_id") and not is_intel_cpu() and "avx512f" in info.get("flags", "").split():
         return _MAX_GEMM_TOKENS_NON_INTEL_AVX512
     return _MAX_GEMM_TOKENS
 
