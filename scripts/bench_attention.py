@@ -15,11 +15,11 @@ causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the 
 limit this benchmark is the measure for. Every kernel's output is also compared with the torch
 backend's (the JSON's max_abs_diff_vs_torch).
 
-`--cold` reads a buffer several times the last-level cache before every timed call, so that the
-keys and values come from memory, as in the engine, where a layer's cache rows leave the cache
-while the other layers' weights and caches stream through. Without it, a case whose caches fit
-in the last-level cache (64 decodes over 192 keys: 19 MB) is measured from there. Decode cases
-(`191+1x64`) are where it matters:
+`--cold [MB]` reads a buffer several times the last-level cache (256 MB unless given) before every
+timed call, so that the keys and values come from memory, as in the engine, where a layer's cache
+rows leave the cache while the other layers' weights and caches stream through. Without it, a
+case whose caches fit in the last-level cache (64 decodes over 192 keys: 19 MB) is measured from
+there. Decode cases (`191+1x64`) are where it matters:
 
     python scripts/bench_attention.py --cold --cases 95+1x64 191+1x64 511+1x64 --baseline-ref HEAD
 """
@@ -121,7 +121,7 @@ def measure_case(case: str, args, baseline: dict | None) -> dict:
     query, caches, common = make_step(cached, new, count, dtype, shape)
     calls = systems(common, caches, baseline)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    flush = torch.ones(args.cold_mb << 18) if args.cold else None  # 4-byte floats
+    flush = torch.ones(args.cold << 18) if args.cold else None  # MB of 4-byte floats
     with torch.inference_mode():
         outputs = {name: call(query) for name, call in calls.items()}  # warm-up
         for repeat in range(args.repeats):
@@ -153,8 +153,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--baseline-ref", default=None, help="git ref whose kernel is measured too")
-    p.add_argument("--cold", action="store_true", help="evict the caches before every call")
-    p.add_argument("--cold-mb", type=int, default=256, help="what --cold reads, in MB")
+    p.add_argument(
+        "--cold",
+        type=int,
+        nargs="?",
+        const=256,
+        default=0,
+        metavar="MB",
+        help="evict the caches before every call by reading MB megabytes (default 256)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     if not cpu_kernels.available():
