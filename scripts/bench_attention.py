@@ -10,9 +10,10 @@ A case is `CACHED+NEW`x`COUNT`: COUNT requests, each computing NEW tokens after 
 a prompt from scratch; more: a chunk over a cached prefix). Each system runs every case
 `--repeats` times in alternating order; the table gives the median ms per layer, GFLOP/s (the
 causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the fastest system.
-"picks" says which one the CPU backend takes for the case: its kernel up to
-`cpu_attention_backend.LONG_PREFILL_ATTENTIONS` row-key pairs in one request, SDPA past it, a
-limit this benchmark is the measure for. Every kernel's output is also compared with the torch
+"picks" says which one the CPU backend takes for the case (`cpu_attention_backend.kernel_attends`):
+its kernel up to `LONG_PREFILL_ATTENTIONS` row-key pairs in one request, and up to
+`LONG_PREFILL_ATTENTIONS_BLOCKED` for heads its blocked passes take; SDPA past them, limits this
+benchmark is the measure for. Every kernel's output is also compared with the torch
 backend's (the JSON's max_abs_diff_vs_torch).
 
 `--cold [MB]` reads a buffer several times the last-level cache (256 MB unless given) before every
@@ -141,7 +142,8 @@ def measure_case(case: str, args, baseline: dict | None) -> dict:
             diff = (outputs[name].float() - outputs["torch"].float()).abs().max().item()
             row[name]["max_abs_diff_vs_torch"] = float(f"{diff:.2e}")
     longest = new * (cached + new)
-    row["pick"] = "torch" if longest > cpu_attention_backend.LONG_PREFILL_ATTENTIONS else "kernel"
+    kernel = cpu_attention_backend.kernel_attends(longest, *shape)
+    row["pick"] = "kernel" if kernel else "torch"
     return row
 
 

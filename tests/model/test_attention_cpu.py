@@ -11,9 +11,11 @@ from tests.model.paged_batch import BlockAllocator, attention_spec, build_metada
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.cpu_attention_backend import (
     LONG_PREFILL_ATTENTIONS,
+    LONG_PREFILL_ATTENTIONS_BLOCKED,
     CpuAttentionBackend,
     CpuAttentionMetadata,
 )
+from v1engine.model.layers.cpu_kernel_library import cpuinfo
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
 pytestmark = pytest.mark.skipif(
@@ -110,18 +112,56 @@ def test_prefills_through_the_blocked_passes_match_the_torch_backend(
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
-def test_a_long_prefill_takes_the_torch_backends_path():
-    # Past LONG_PREFILL_ATTENTIONS row-key pairs SDPA is faster; one decode beside it goes along.
-    longest = int(LONG_PREFILL_ATTENTIONS**0.5)
-    num_blocks = longest // 16 + 4
-    for query_len, expected in (
-        (longest, CpuAttentionMetadata),
-        (longest + 1, TorchAttentionMetadata),
+def test_a_long_prefill_carries_the_torch_plan_and_a_longer_one_takes_it():
+    # Past LONG_PREFILL_ATTENTIONS row-key pairs the metadata also carries the torch backend's
+    # plan (for heads the blocked passes do not take); past LONG_PREFILL_ATTENTIONS_BLOCKED the
+    # whole step is the torch backend's. One decode beside it goes along.
+    for query_len, long_prefill, expected in (
+        (int(LONG_PREFILL_ATTENTIONS**0.5), False, CpuAttentionMetadata),
+        (int(LONG_PREFILL_ATTENTIONS**0.5) + 1, True, CpuAttentionMetadata),
+        (int(LONG_PREFILL_ATTENTIONS_BLOCKED**0.5), True, CpuAttentionMetadata),
+        (int(LONG_PREFILL_ATTENTIONS_BLOCKED**0.5) + 1, None, TorchAttentionMetadata),
     ):
+        num_blocks = query_len // 16 + 4
         common = build_metadata(BlockAllocator(num_blocks, 16), [(0, 0, query_len), (1, 5, 1)])
         kv_cache = torch.randn(num_blocks, 16, 2, 8)
         metadata = CpuAttentionBackend().build_metadata(common, attention_spec(kv_cache))
         assert isinstance(metadata, expected), query_len
+        if expected is CpuAttentionMetadata:
+            assert metadata.longest_prefill == query_len * query_len
+            assert isinstance(metadata.long_prefill, TorchAttentionMetadata) == long_prefill
+
+
+def test_the_blocked_passes_take_shared_kv_heads_of_64_and_128_on_avx512():
+    avx512 = "avx512f" in cpuinfo().get("flags", "").split()
+    for heads in [(9, 3, 64), (8, 4, 128), (16, 2, 64)]:
+        assert cpu_kernels.blocked_attention_takes(*heads) == avx512, heads
+    for heads in [(4, 4, 64), (9, 3, 8), (9, 3, 48)]:  # one query head per KV head; head sizes
+        assert not cpu_kernels.blocked_attention_takes(*heads), heads
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 64), (6, 2, 8)])
+def test_a_long_prefill_is_the_kernels_only_where_its_blocked_passes_take_the_heads(
+    monkeypatch, num_heads, num_kv_heads, head_size
+):
+    # 520 new tokens over 8 cached ones: past LONG_PREFILL_ATTENTIONS. The kernel attends it for
+    # heads its blocked passes take, SDPA for the others; either way the torch backend's result.
+    torch_calls = []
+    forward = TorchAttentionBackend.forward
+
+    def counting_forward(self, *args, **kwargs):
+        torch_calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    steps = [(0, 8, 520), (1, 5, 1)]
+    args = (steps, num_heads, num_kv_heads, head_size, 16, None, torch.float32)
+    _, expected, _ = _attend(TorchAttentionBackend(), *args)
+    monkeypatch.setattr(TorchAttentionBackend, "forward", counting_forward)
+    metadata, out, _ = _attend(CpuAttentionBackend(), *args)
+    assert metadata.long_prefill is not None
+    kernel = cpu_kernels.blocked_attention_takes(num_heads, num_kv_heads, head_size)
+    assert torch_calls == ([] if kernel else [1])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_float16_cache_takes_the_torch_backends_path():

@@ -144,12 +144,17 @@ static inline void softmax(float *scores, long num_rows, long n, float *inverse_
 }
 
 /* One unit by the blocked passes (cpu_attention_blocked.c): 1 if it did it, 0 if the unit is not
-   theirs (`blocked_attention_applies`), for the per-key passes to do. */
+   theirs (`blocked_passes_take`) or its key rows could not be allocated, for the per-key passes
+   to do. */
 int v1e_attention_blocked_f32(const float *q, const char *k_cache, const char *v_cache,
                               const int32_t *table, const struct unit *u,
                               const struct attention_shape *sh, float *scores, float *out);
 int v1e_attention_blocked_bf16(const uint16_t *q, const char *k_cache, const char *v_cache,
                                const int32_t *table, const struct unit *u,
                                const struct attention_shape *sh, float *scores, uint16_t *out);
+
+/* Whether the blocked passes take a prefill's full units (ROW_BLOCK rows) for these heads: on
+   AVX-512 CPUs, head sizes 64 and 128, at least two query heads per KV head. */
+int v1e_blocked_attention_takes(long num_heads, long num_kv_heads, long head_size);
 
 #endif

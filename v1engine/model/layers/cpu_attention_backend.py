@@ -3,17 +3,18 @@
 The kernel reads each request's keys in place through the block table (no gather, no padding to
 the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
 over a cached prefix. A decode step runs several times faster than the torch backend's gathered
-SDPA, and prefills faster up to several hundred tokens (`scripts/bench_attention.py`, one layer
-on the 2-core AVX-512 bench machine; SmolLM2's heads: 4.5 vs 12.5 ms for 13 prompts of 144
-tokens, 3.2 vs 4.9 for one of 512, 12.2 vs 14.0 for one of 1024, 51 vs 47 for one of 2048).
-Each task's scores are its rows x heads x keys, so the kernel slows past L2 sooner with more
-heads: for 32 heads of 128 over 8 KV heads, 27-30 vs 29-39 ms at 512 tokens but 115 vs 94 at
-1024; over 32 KV heads (no blocked passes there) level at 512 (38-41 vs 34-41 ms, two runs) and
-185 vs 105 at 1024. A step with a request past `LONG_PREFILL_ATTENTIONS` row-key pairs therefore
-takes the torch backend. So
-do cache dtypes the kernel does not read (float16), V heads of another size than K's, and slots
-of -1 among a step's real rows. Chosen by default on CPU when the kernels build
-(`get_default_attention_backend`).
+SDPA, and prefills faster too (`scripts/bench_attention.py`, one layer on the 2-core AMD EPYC
+bench machine, float32). Where a prefill's query heads share KV heads (GQA; head sizes 64 and
+128 on AVX-512 CPUs) the kernel runs them as small matrix products, the blocked passes: for
+SmolLM2's heads 5.2 vs 11.6 ms for one prompt of 1024 tokens, 20.6 vs 40.4 at 2048, 78 vs 138 at
+4096 (311 vs 482 at 8192); for 32 heads of 128 over 8 KV heads 38 vs 83 at 1024, 161 vs 256 at
+2048 and 752 vs 861 at 4096, so past `LONG_PREFILL_ATTENTIONS_BLOCKED` row-key pairs a step takes
+the torch backend. Other heads take per-key passes, which fall behind sooner: over 32 KV heads
+of 128, 22 vs 36 ms at 512 tokens, level at 1024, 373 vs 273 at 2048. A step with a request past
+`LONG_PREFILL_ATTENTIONS` pairs therefore also carries the torch backend's plan, through which
+the layers of such heads attend. The torch backend also takes the steps over cache dtypes the
+kernel does not read (float16), V heads of another size than K's, and slots of -1 among a step's
+real rows. Chosen by default on CPU when the kernels build (`get_default_attention_backend`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVC
 from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
-# Past this many row-key pairs in one request (query rows x keys), SDPA's blocked GEMMs may beat
-# the kernel: a 512-token prompt from scratch. The kernel was faster there for every head shape
-# measured; the crossover lies between 512 and 1024 tokens for 7B-sized heads and between 1024
-# and 2048 for SmolLM2's (scripts/bench_attention.py --shape).
+# Row-key pairs in one request (query rows x keys) past which SDPA's blocked GEMMs may beat the
+# kernel (the module docstring has the measurements): for heads the per-key passes take, a
+# 512-token prompt from scratch; for heads the blocked passes take, a 4096-token one.
 LONG_PREFILL_ATTENTIONS = 512 * 512
+LONG_PREFILL_ATTENTIONS_BLOCKED = 4096 * 4096
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class CpuAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32, contiguous
     query_start_loc: torch.Tensor | None  # [num_reqs + 1] int32, contiguous
     num_rows: int
+    # The most row-key pairs of one request, and past LONG_PREFILL_ATTENTIONS the torch backend's
+    # plan, through which the layers `kernel_attends` refuses attend (the cache is written alike).
+    longest_prefill: int = 0
+    long_prefill: TorchAttentionMetadata | None = None
     # No window here: the kernel takes the layer's at call time (no plan depends on it).
 
     @property
@@ -69,19 +74,25 @@ class CpuAttentionBackend:
         self, common: CommonAttentionMetadata, kv_cache_spec: AttentionSpec
     ) -> CpuMetadata:
         if _kernel_reads(kv_cache_spec) and common.block_table.device.type == "cpu":
-            if _longest_prefill_attentions(common) > LONG_PREFILL_ATTENTIONS:
+            longest = _longest_prefill_attentions(common)
+            if longest > LONG_PREFILL_ATTENTIONS_BLOCKED:
                 return self._torch.build_metadata(common, kv_cache_spec)
             num_rows = int(common.query_start_loc[-1])
             slots = common.slot_mapping[:num_rows].to(torch.int64).contiguous()
             if bool((slots >= 0).all()):
                 decodes = common.max_query_len == 1 and num_rows == common.num_reqs
                 starts = None if decodes else common.query_start_loc.to(torch.int32).contiguous()
+                long_prefill = None
+                if longest > LONG_PREFILL_ATTENTIONS:
+                    long_prefill = self._torch.build_metadata(common, kv_cache_spec)
                 return CpuAttentionMetadata(
                     slots,
                     common.block_table[: common.num_reqs].to(torch.int32).contiguous(),
                     common.seq_lens.to(torch.int32).contiguous(),
                     starts,
                     num_rows,
+                    longest,
+                    long_prefill,
                 )
         return self._torch.build_metadata(common, kv_cache_spec)
 
@@ -104,6 +115,11 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         if isinstance(metadata, TorchAttentionMetadata):
             return self._torch.forward(query, kv_cache, metadata, scale, sliding_window)
+        _, num_heads, head_size = query.shape
+        heads = (num_heads, kv_cache[0].shape[2], head_size)
+        long_prefill = metadata.long_prefill
+        if long_prefill is not None and not kernel_attends(metadata.longest_prefill, *heads):
+            return self._torch.forward(query, kv_cache, long_prefill, scale, sliding_window)
         rows = metadata.num_rows
         cache_dtype = kv_cache[0].dtype
         out = cpu_kernels.paged_attention(
@@ -129,6 +145,16 @@ def _longest_prefill_attentions(common: CommonAttentionMetadata) -> int:
         return common.max_seq_len
     query_lens = common.query_start_loc.diff()
     return int((query_lens.to(torch.int64) * common.seq_lens).max())
+
+
+def kernel_attends(row_key_pairs: int, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the kernel (else SDPA) attends a step whose longest request has this many row-key
+    pairs, for these heads."""
+    if row_key_pairs <= LONG_PREFILL_ATTENTIONS:
+        return True
+    return row_key_pairs <= LONG_PREFILL_ATTENTIONS_BLOCKED and (
+        cpu_kernels.blocked_attention_takes(num_heads, num_kv_heads, head_size)
+    )
 
 
 def _kernel_reads(kv_cache_spec: AttentionSpec) -> bool:

@@ -16,6 +16,8 @@
    not see has weight 0 in the values pass: every key of the unit is a written cache row (at
    most the unit's last position), so 0 times it adds nothing. */
 
+#include <stdlib.h>
+
 #include "cpu_attention.h"
 
 #if LANES == 16
@@ -23,12 +25,17 @@
 #define SCORE_BLOCK 12 /* query vectors per pass over a transposed key group */
 #define MAX_HEAD 128
 
-/* Whether the blocked passes take this unit: enough query vectors to share each transposed key
-   group (a decode's few do not repay the transposes), and a head size they are built for. */
-static inline int blocked_attention_applies(const struct unit *u, const struct attention_shape *sh)
+/* Whether the blocked passes take units of `rows` rows of these heads: enough query vectors to
+   share each transposed key group (a decode's few do not repay the transposes), and a head size
+   they are built for. */
+static inline int blocked_passes_take(long rows, long num_heads, long num_kv_heads, long D)
 {
-    const long G = sh->num_heads / sh->num_kv_heads;
-    return (sh->head_size == 64 || sh->head_size == 128) && u->rows * G >= SCORE_BLOCK;
+    return (D == 64 || D == 128) && rows * (num_heads / num_kv_heads) >= SCORE_BLOCK;
+}
+
+int v1e_blocked_attention_takes(long num_heads, long num_kv_heads, long head_size)
+{
+    return blocked_passes_take(ROW_BLOCK, num_heads, num_kv_heads, head_size);
 }
 
 /* The unit's query vectors that read one KV head g, i = 0 .. rows * G - 1: row i / G, query head
@@ -45,6 +52,21 @@ static inline long query_index(const struct query_vectors *qv, long i, long g)
 {
     i = i < qv->count ? i : qv->count - 1;
     return qv->offset[i] + g * qv->G;
+}
+
+/* The cache row of each of the unit's keys (first .. first + n - 1), from one walk through the
+   block table: every pass over the keys (each KV head's key groups, each block of query vectors'
+   values) reads it, where each walked the table again, and the values pass runs over all the
+   keys without stopping at every 16 (NULL if it could not be allocated). */
+static int32_t *key_rows(const int32_t *table, const struct unit *u, long block_size)
+{
+    int32_t *rows = malloc(sizeof *rows * (u->n > 0 ? u->n : 1));
+    struct cursor at = cursor_at(u->first, block_size);
+    for (long i = 0; rows && i < u->n; i++) {
+        rows[i] = table[at.block] * block_size + at.offset;
+        if (++at.offset == block_size) at.offset = 0, at.block++;
+    }
+    return rows;
 }
 
 /* Lanes lo .. hi - 1 of 16 as a mask. */
@@ -83,7 +105,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
 /* The weighted values of B query vectors from q0 over the unit's keys, scaled by their inverse
    totals, into out; `_values_` does every block of KV head g. VECS vectors per head. */
 #define VALUE_BLOCK(NAME, T, LOAD, STORE, VECS, B)                                             \
-    static void NAME##_value_block_##VECS(const char *v_cache, const int32_t *table,          \
+    static void NAME##_value_block_##VECS(const char *v_cache, const int32_t *key_rows,       \
                                           const struct unit *u,                                \
                                           const struct attention_shape *sh,                    \
                                           const struct query_vectors *qv, long g, long q0,     \
@@ -92,6 +114,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
     {                                                                                          \
         const long n = u->n;                                                                   \
         const long row_bytes = sh->num_kv_heads * VECS * 16 * sizeof(T);                       \
+        const char *head = v_cache + g * VECS * 16 * sizeof(T);                                \
         const float *p[B];                                                                     \
         long rh[B];                                                                            \
         __m512 acc[B][VECS];                                                                   \
@@ -100,20 +123,13 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
             p[b] = weights + rh[b] * n;                                                        \
             for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_setzero_ps();                    \
         }                                                                                      \
-        const char *rows[16];                                                                  \
-        struct cursor at = cursor_at(u->first, sh->block_size);                                \
-        for (long i0 = 0; i0 < n; i0 += 16) {                                                  \
-            const long count = n - i0 < 16 ? n - i0 : 16;                                      \
-            group_rows(rows, v_cache, table, &at, count, sh->block_size, row_bytes);           \
-            for (long j = 0; j < count; j++) {                                                 \
-                const T *value = (const T *)rows[j] + g * VECS * 16;                           \
-                __m512 v[VECS];                                                                \
-                for (int c = 0; c < VECS; c++) v[c] = (__m512)LOAD(value + c * 16);            \
-                for (int b = 0; b < B; b++) {                                                  \
-                    const __m512 w = _mm512_set1_ps(p[b][i0 + j]);                             \
-                    for (int c = 0; c < VECS; c++)                                             \
-                        acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]);                       \
-                }                                                                              \
+        for (long j = 0; j < n; j++) {                                                         \
+            const T *value = (const T *)(head + key_rows[j] * row_bytes);                      \
+            __m512 v[VECS];                                                                    \
+            for (int c = 0; c < VECS; c++) v[c] = (__m512)LOAD(value + c * 16);                \
+            for (int b = 0; b < B; b++) {                                                      \
+                const __m512 w = _mm512_set1_ps(p[b][j]);                                      \
+                for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]); \
             }                                                                                  \
         }                                                                                      \
         for (long b = 0; b < B && q0 + b < qv->count; b++) {                                   \
@@ -125,13 +141,13 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    static void NAME##_values_##VECS(const char *v_cache, const int32_t *table,               \
+    static void NAME##_values_##VECS(const char *v_cache, const int32_t *key_rows,            \
                                      const struct unit *u, const struct attention_shape *sh,   \
                                      const struct query_vectors *qv, long g,                   \
                                      const float *weights, const float *inverse_totals, T *out) \
     {                                                                                          \
         for (long q0 = 0; q0 < qv->count; q0 += B)                                            \
-            NAME##_value_block_##VECS(v_cache, table, u, sh, qv, g, q0, weights,              \
+            NAME##_value_block_##VECS(v_cache, key_rows, u, sh, qv, g, q0, weights,           \
                                       inverse_totals, out);                                    \
     }
 
@@ -152,7 +168,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    static void NAME##_scores(const float *qf, const char *k_cache, const int32_t *table,      \
+    static void NAME##_scores(const float *qf, const char *k_cache, const int32_t *key_rows,   \
                               const struct unit *u, const struct attention_shape *sh,          \
                               const struct query_vectors *qv, float *scores)                   \
     {                                                                                          \
@@ -160,10 +176,10 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         const long row_bytes = KVH * D * sizeof(T);                                            \
         float kt[MAX_HEAD * 16] __attribute__((aligned(64)));                                  \
         const char *rows[16];                                                                  \
-        struct cursor at = cursor_at(u->first, sh->block_size);                                \
         for (long i0 = 0; i0 < n; i0 += 16) {                                                  \
             const long count = n - i0 < 16 ? n - i0 : 16;                                      \
-            group_rows(rows, k_cache, table, &at, count, sh->block_size, row_bytes);           \
+            for (long j = 0; j < 16; j++)                                                      \
+                rows[j] = k_cache + key_rows[i0 + (j < count ? j : count - 1)] * row_bytes;    \
             for (long g = 0; g < KVH; g++) {                                                   \
                 NAME##_transposed_keys(rows, g, D, kt);                                        \
                 for (long q0 = 0; q0 < qv->count; q0 += SCORE_BLOCK)                           \
@@ -176,24 +192,27 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
              const struct unit *u, const struct attention_shape *sh, float *scores, T *out)    \
     {                                                                                          \
         const long H = sh->num_heads, D = sh->head_size, G = H / sh->num_kv_heads;             \
-        if (!blocked_attention_applies(u, sh)) return 0;                                       \
+        if (!blocked_passes_take(u->rows, H, sh->num_kv_heads, D)) return 0;                   \
         long row_of[u->rows * G], offset_of[u->rows * G];                                      \
         for (long i = 0; i < u->rows * G; i++) {                                               \
             row_of[i] = i / G;                                                                 \
             offset_of[i] = row_of[i] * H + i % G;                                              \
         }                                                                                      \
         const struct query_vectors qv = {u->rows * G, G, row_of, offset_of};                   \
+        int32_t *rows = key_rows(table, u, sh->block_size);                                   \
+        if (!rows) return 0;                                                                   \
         float qf[u->rows * H * D];                                                             \
         for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD(q[i]);                         \
-        NAME##_scores(qf, k_cache, table, u, sh, &qv, scores);                                 \
+        NAME##_scores(qf, k_cache, rows, u, sh, &qv, scores);                                  \
         float inverse_totals[u->rows * H];                                                     \
         softmax(scores, u->rows * H, u->n, inverse_totals);                                    \
         for (long g = 0; g < sh->num_kv_heads; g++) {                                          \
             if (D == 64)                                                                       \
-                NAME##_values_4(v_cache, table, u, sh, &qv, g, scores, inverse_totals, out);   \
+                NAME##_values_4(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);    \
             else                                                                               \
-                NAME##_values_8(v_cache, table, u, sh, &qv, g, scores, inverse_totals, out);   \
+                NAME##_values_8(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);    \
         }                                                                                      \
+        free(rows);                                                                            \
         return 1;                                                                              \
     }
 
@@ -201,6 +220,11 @@ BLOCKED_ATTENTION(v1e_attention_blocked_f32, float, AS_FLOAT, load_f32, AS_FLOAT
 BLOCKED_ATTENTION(v1e_attention_blocked_bf16, uint16_t, bf16_to_f32, load_bf16, f32_to_bf16)
 
 #else /* no AVX-512: the per-key passes take every unit */
+
+int v1e_blocked_attention_takes(long num_heads, long num_kv_heads, long head_size)
+{
+    return 0;
+}
 
 int v1e_attention_blocked_f32(const float *q, const char *k_cache, const char *v_cache,
                               const int32_t *table, const struct unit *u,
