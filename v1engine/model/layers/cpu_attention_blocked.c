@@ -58,12 +58,12 @@ static inline long query_index(const struct query_vectors *qv, long i, long g)
    block table: every pass over the keys (each KV head's key groups, each block of query vectors'
    values) reads it, where each walked the table again, and the values pass runs over all the
    keys without stopping at every 16 (NULL if it could not be allocated). */
-static int32_t *key_rows(const int32_t *table, const struct unit *u, long block_size)
+static long *key_rows(const int32_t *table, const struct unit *u, long block_size)
 {
-    int32_t *rows = malloc(sizeof *rows * (u->n > 0 ? u->n : 1));
+    long *rows = malloc(sizeof *rows * (u->n > 0 ? u->n : 1));
     struct cursor at = cursor_at(u->first, block_size);
     for (long i = 0; rows && i < u->n; i++) {
-        rows[i] = table[at.block] * block_size + at.offset;
+        rows[i] = (long)table[at.block] * block_size + at.offset;
         if (++at.offset == block_size) at.offset = 0, at.block++;
     }
     return rows;
@@ -105,7 +105,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
 /* The weighted values of B query vectors from q0 over the unit's keys, scaled by their inverse
    totals, into out; `_values_` does every block of KV head g. VECS vectors per head. */
 #define VALUE_BLOCK(NAME, T, LOAD, STORE, VECS, B)                                             \
-    static void NAME##_value_block_##VECS(const char *v_cache, const int32_t *key_rows,       \
+    static void NAME##_value_block_##VECS(const char *v_cache, const long *key_rows,           \
                                           const struct unit *u,                                \
                                           const struct attention_shape *sh,                    \
                                           const struct query_vectors *qv, long g, long q0,     \
@@ -129,7 +129,8 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
             for (int c = 0; c < VECS; c++) v[c] = (__m512)LOAD(value + c * 16);                \
             for (int b = 0; b < B; b++) {                                                      \
                 const __m512 w = _mm512_set1_ps(p[b][j]);                                      \
-                for (int c = 0; c < VECS; c++) acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]); \
+                for (int c = 0; c < VECS; c++)                                                 \
+                    acc[b][c] = _mm512_fmadd_ps(w, v[c], acc[b][c]);                           \
             }                                                                                  \
         }                                                                                      \
         for (long b = 0; b < B && q0 + b < qv->count; b++) {                                   \
@@ -141,13 +142,13 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    static void NAME##_values_##VECS(const char *v_cache, const int32_t *key_rows,            \
+    static void NAME##_values_##VECS(const char *v_cache, const long *key_rows,                \
                                      const struct unit *u, const struct attention_shape *sh,   \
                                      const struct query_vectors *qv, long g,                   \
                                      const float *weights, const float *inverse_totals, T *out) \
     {                                                                                          \
-        for (long q0 = 0; q0 < qv->count; q0 += B)                                            \
-            NAME##_value_block_##VECS(v_cache, key_rows, u, sh, qv, g, q0, weights,           \
+        for (long q0 = 0; q0 < qv->count; q0 += B)                                             \
+            NAME##_value_block_##VECS(v_cache, key_rows, u, sh, qv, g, q0, weights,            \
                                       inverse_totals, out);                                    \
     }
 
@@ -164,11 +165,11 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
             for (int j = 0; j < 16; j++)                                                       \
                 r[j] = (__m512)VECTOR_LOAD((const T *)rows[j] + g * D + c * 16);               \
             transpose_16x16(r);                                                                \
-            for (int d = 0; d < 16; d++) _mm512_store_ps(kt + (c * 16 + d) * 16, r[d]);       \
+            for (int d = 0; d < 16; d++) _mm512_store_ps(kt + (c * 16 + d) * 16, r[d]);        \
         }                                                                                      \
     }                                                                                          \
                                                                                                \
-    static void NAME##_scores(const float *qf, const char *k_cache, const int32_t *key_rows,   \
+    static void NAME##_scores(const float *qf, const char *k_cache, const long *key_rows,      \
                               const struct unit *u, const struct attention_shape *sh,          \
                               const struct query_vectors *qv, float *scores)                   \
     {                                                                                          \
@@ -199,7 +200,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
             offset_of[i] = row_of[i] * H + i % G;                                              \
         }                                                                                      \
         const struct query_vectors qv = {u->rows * G, G, row_of, offset_of};                   \
-        int32_t *rows = key_rows(table, u, sh->block_size);                                   \
+        long *rows = key_rows(table, u, sh->block_size);                                       \
         if (!rows) return 0;                                                                   \
         float qf[u->rows * H * D];                                                             \
         for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD(q[i]);                         \
