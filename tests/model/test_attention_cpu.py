@@ -98,11 +98,11 @@ def test_steps_with_prefills_and_padding_match_the_torch_backend(
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 4), (16, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 4), (16, 2), (4, 4)])
 def test_prefills_through_the_blocked_passes_match_the_torch_backend(
     num_heads, num_kv_heads, head_size, window, dtype, tol
 ):
-    # Units of 8 rows with 2, 3 and 8 query heads per KV head take cpu_attention_blocked.c (on
+    # Units of 8 rows with 1, 2, 3 and 8 query heads per KV head take cpu_attention_blocked.c (on
     # AVX-512 CPUs; the per-key passes elsewhere): blocks of query vectors that do not divide
     # their number, keys past a window, chunks over a cached prefix, a decode beside them.
     steps = [(0, 0, 37), (1, 20, 19), (2, 5, 1)]
@@ -132,16 +132,16 @@ def test_a_long_prefill_carries_the_torch_plan_and_a_longer_one_takes_it():
             assert isinstance(metadata.long_prefill, TorchAttentionMetadata) == long_prefill
 
 
-def test_the_blocked_passes_take_shared_kv_heads_of_64_and_128_on_avx512():
+def test_long_prefills_stay_with_the_kernel_for_shared_kv_heads_of_64_and_128_on_avx512():
     avx512 = "avx512f" in cpuinfo().get("flags", "").split()
     for heads in [(9, 3, 64), (8, 4, 128), (16, 2, 64)]:
-        assert cpu_kernels.blocked_attention_takes(*heads) == avx512, heads
+        assert cpu_kernels.attends_long_prefills(*heads) == avx512, heads
     for heads in [(4, 4, 64), (9, 3, 8), (9, 3, 48)]:  # one query head per KV head; head sizes
-        assert not cpu_kernels.blocked_attention_takes(*heads), heads
+        assert not cpu_kernels.attends_long_prefills(*heads), heads
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 64), (6, 2, 8)])
-def test_a_long_prefill_is_the_kernels_only_where_its_blocked_passes_take_the_heads(
+def test_a_long_prefill_is_the_kernels_only_for_heads_it_attends_long_prefills_of(
     monkeypatch, num_heads, num_kv_heads, head_size
 ):
     # 520 new tokens over 8 cached ones: past LONG_PREFILL_ATTENTIONS. The kernel attends it for
@@ -159,7 +159,7 @@ def test_a_long_prefill_is_the_kernels_only_where_its_blocked_passes_take_the_he
     monkeypatch.setattr(TorchAttentionBackend, "forward", counting_forward)
     metadata, out, _ = _attend(CpuAttentionBackend(), *args)
     assert metadata.long_prefill is not None
-    kernel = cpu_kernels.blocked_attention_takes(num_heads, num_kv_heads, head_size)
+    kernel = cpu_kernels.attends_long_prefills(num_heads, num_kv_heads, head_size)
     assert torch_calls == ([] if kernel else [1])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -153,8 +153,8 @@ int v1e_attention_blocked_bf16(const uint16_t *q, const char *k_cache, const cha
                                const int32_t *table, const struct unit *u,
                                const struct attention_shape *sh, float *scores, uint16_t *out);
 
-/* Whether the blocked passes take a prefill's full units (ROW_BLOCK rows) for these heads: on
-   AVX-512 CPUs, head sizes 64 and 128, at least two query heads per KV head. */
-int v1e_blocked_attention_takes(long num_heads, long num_kv_heads, long head_size);
+/* Whether the kernel outruns SDPA on long prompts of these heads (the blocked passes, on AVX-512
+   CPUs, head sizes 64 and 128, at least two query heads per KV head): 1 or 0. */
+int v1e_attention_long_prefills(long num_heads, long num_kv_heads, long head_size);
 
 #endif

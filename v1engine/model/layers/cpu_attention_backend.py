@@ -4,13 +4,14 @@ The kernel reads each request's keys in place through the block table (no gather
 the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
 over a cached prefix. A decode step runs several times faster than the torch backend's gathered
 SDPA, and prefills faster too (`scripts/bench_attention.py`, one layer on the 2-core AMD EPYC
-bench machine, float32). Where a prefill's query heads share KV heads (GQA; head sizes 64 and
-128 on AVX-512 CPUs) the kernel runs them as small matrix products, the blocked passes: for
+bench machine, float32). On AVX-512 CPUs, for head sizes 64 and 128, the kernel runs a prompt's
+rows as small matrix products, the blocked passes. Where query heads share KV heads (GQA): for
 SmolLM2's heads 5.2 vs 11.6 ms for one prompt of 1024 tokens, 20.6 vs 40.4 at 2048, 78 vs 138 at
 4096 (311 vs 482 at 8192); for 32 heads of 128 over 8 KV heads 38 vs 83 at 1024, 161 vs 256 at
 2048 and 752 vs 861 at 4096, so past `LONG_PREFILL_ATTENTIONS_BLOCKED` row-key pairs a step takes
-the torch backend. Other heads take per-key passes, which fall behind sooner: over 32 KV heads
-of 128, 22 vs 36 ms at 512 tokens, level at 1024, 373 vs 273 at 2048. A step with a request past
+the torch backend. With one query head per KV head the passes fill only 8 of a block's 12
+vectors and fall behind sooner: over 32 KV heads of 128, 12.3 vs 26.0 ms at 512 tokens, 57.6 vs
+80.4 at 1024, 326 vs 282 at 2048; other heads take per-key passes. A step with a request past
 `LONG_PREFILL_ATTENTIONS` pairs therefore also carries the torch backend's plan, through which
 the layers of such heads attend. The torch backend also takes the steps over cache dtypes the
 kernel does not read (float16), V heads of another size than K's, and slots of -1 among a step's
@@ -153,7 +154,7 @@ def kernel_attends(row_key_pairs: int, num_heads: int, num_kv_heads: int, head_s
     if row_key_pairs <= LONG_PREFILL_ATTENTIONS:
         return True
     return row_key_pairs <= LONG_PREFILL_ATTENTIONS_BLOCKED and (
-        cpu_kernels.blocked_attention_takes(num_heads, num_kv_heads, head_size)
+        cpu_kernels.attends_long_prefills(num_heads, num_kv_heads, head_size)
     )
 
 

@@ -287,11 +287,11 @@ def paged_attention(
     return out
 
 
-def blocked_attention_takes(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    """Whether `paged_attention` runs a prefill's rows of these heads as small matrix products
-    (cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, two or more query heads per KV
-    head), where it outruns SDPA on long prompts too; the per-key passes otherwise."""
-    return bool(kernel("blocked_attention_takes")(num_heads, num_kv_heads, head_size))
+def attends_long_prefills(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether `paged_attention` outruns SDPA on long prompts of these heads: where its blocked
+    passes fill their blocks (cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, two or
+    more query heads per KV head)."""
+    return bool(kernel("attention_long_prefills")(num_heads, num_kv_heads, head_size))
 
 
 def write_kv(
