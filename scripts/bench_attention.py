@@ -147,7 +147,7 @@ def measure_case(case: str, args, baseline: dict | None) -> dict:
     return row
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", nargs="+", default=DEFAULT_CASES)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -165,7 +165,21 @@ def main() -> None:
         help="evict the caches before every call by reading MB megabytes (default 256)",
     )
     p.add_argument("--json", default=None, help="write the results here")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def print_row(case: str, row: dict) -> None:
+    systems = [k for k, v in row.items() if isinstance(v, dict)]
+    cells = [f"{k} {row[k]['median_ms']:8.2f} ({row[k]['gflops']:5.1f})" for k in systems]
+    fastest = min(systems, key=lambda k: row[k]["median_ms"])
+    print(
+        f"{case:>12}: " + " | ".join(cells) + f" | fastest {fastest}, backend picks {row['pick']}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    args = parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the CPU kernels did not build here (see the warning above)")
     torch.set_num_threads(args.threads)
@@ -182,23 +196,8 @@ def main() -> None:
         print(f"{args.dtype}, {args.threads} threads; ms per layer (GFLOP/s)")
         rows = []
         for case in args.cases:
-            row = measure_case(case, args, baseline)
-            rows.append(row)
-            cells = [
-                f"{k} {v['median_ms']:8.2f} ({v['gflops']:5.1f})"
-                for k, v in row.items()
-                if isinstance(v, dict)
-            ]
-            fastest = min(
-                (k for k, v in row.items() if isinstance(v, dict)),
-                key=lambda k: row[k]["median_ms"],
-            )
-            print(
-                f"{case:>12}: "
-                + " | ".join(cells)
-                + f" | fastest {fastest}, backend picks {row['pick']}",
-                flush=True,
-            )
+            rows.append(measure_case(case, args, baseline))
+            print_row(case, rows[-1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
