@@ -11,8 +11,8 @@ a prompt from scratch; more: a chunk over a cached prefix). Each system runs eve
 `--repeats` times in alternating order; the table gives the median ms per layer, GFLOP/s (the
 causal QK^T and PV products, 4 * rows * keys seen * head size per head) and the fastest system.
 "picks" says which one the CPU backend takes for the case (`cpu_attention_backend.kernel_attends`):
-its kernel up to `LONG_PREFILL_ATTENTIONS` row-key pairs in one request, and up to
-`LONG_PREFILL_ATTENTIONS_BLOCKED` for heads its blocked passes take; SDPA past them, limits this
+its kernel up to `LONG_PREFILL_ATTENTIONS[passes]` row-key pairs in one request (the passes it
+runs the prompt's rows through, `cpu_kernels.prefill_passes`), SDPA past them: limits this
 benchmark is the measure for. Every kernel's output is also compared with the torch
 backend's (the JSON's max_abs_diff_vs_torch).
 

@@ -11,7 +11,6 @@ from tests.model.paged_batch import BlockAllocator, attention_spec, build_metada
 from v1engine.model.layers import cpu_kernels
 from v1engine.model.layers.cpu_attention_backend import (
     LONG_PREFILL_ATTENTIONS,
-    LONG_PREFILL_ATTENTIONS_BLOCKED,
     CpuAttentionBackend,
     CpuAttentionMetadata,
 )
@@ -25,12 +24,23 @@ pytestmark = pytest.mark.skipif(
 NUM_BLOCKS = 64
 
 
-def _attend(backend, steps, num_heads, num_kv_heads, head_size, block_size, window, dtype, pad=0):
+def _attend(
+    backend,
+    steps,
+    num_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    window,
+    dtype,
+    pad=0,
+    num_blocks=NUM_BLOCKS,
+):
     """One layer's step over caches pre-filled with noise (where a request's prefix would be):
     returns (metadata, out, kv_cache)."""
-    common = build_metadata(BlockAllocator(NUM_BLOCKS, block_size, seed=1), steps, pad)
+    common = build_metadata(BlockAllocator(num_blocks, block_size, seed=1), steps, pad)
     generator = torch.Generator().manual_seed(7)
-    shape = (NUM_BLOCKS, block_size, num_kv_heads, head_size)
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
     kv_cache = tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
     key, value = torch.randn(2, common.num_tokens, num_kv_heads, head_size, generator=generator)
     query = torch.randn(common.num_tokens, num_heads, head_size, generator=generator).to(dtype)
@@ -113,14 +123,16 @@ def test_prefills_through_the_blocked_passes_match_the_torch_backend(
 
 
 def test_a_long_prefill_carries_the_torch_plan_and_a_longer_one_takes_it():
-    # Past LONG_PREFILL_ATTENTIONS row-key pairs the metadata also carries the torch backend's
-    # plan (for heads the blocked passes do not take); past LONG_PREFILL_ATTENTIONS_BLOCKED the
-    # whole step is the torch backend's. One decode beside it goes along.
+    # Past the shortest LONG_PREFILL_ATTENTIONS the metadata also carries the torch backend's
+    # plan (for the layers whose heads' limit the request passes); past the longest the whole
+    # step is the torch backend's. One decode beside it goes along.
+    shortest = int(min(LONG_PREFILL_ATTENTIONS.values()) ** 0.5)
+    longest = int(max(LONG_PREFILL_ATTENTIONS.values()) ** 0.5)
     for query_len, long_prefill, expected in (
-        (int(LONG_PREFILL_ATTENTIONS**0.5), False, CpuAttentionMetadata),
-        (int(LONG_PREFILL_ATTENTIONS**0.5) + 1, True, CpuAttentionMetadata),
-        (int(LONG_PREFILL_ATTENTIONS_BLOCKED**0.5), True, CpuAttentionMetadata),
-        (int(LONG_PREFILL_ATTENTIONS_BLOCKED**0.5) + 1, None, TorchAttentionMetadata),
+        (shortest, False, CpuAttentionMetadata),
+        (shortest + 1, True, CpuAttentionMetadata),
+        (longest, True, CpuAttentionMetadata),
+        (longest + 1, None, TorchAttentionMetadata),
     ):
         num_blocks = query_len // 16 + 4
         common = build_metadata(BlockAllocator(num_blocks, 16), [(0, 0, query_len), (1, 5, 1)])
@@ -132,20 +144,29 @@ def test_a_long_prefill_carries_the_torch_plan_and_a_longer_one_takes_it():
             assert isinstance(metadata.long_prefill, TorchAttentionMetadata) == long_prefill
 
 
-def test_long_prefills_stay_with_the_kernel_for_shared_kv_heads_of_64_and_128_on_avx512():
+def test_the_prefill_passes_follow_the_heads_and_the_cpu():
     avx512 = "avx512f" in cpuinfo().get("flags", "").split()
-    for heads in [(9, 3, 64), (8, 4, 128), (16, 2, 64)]:
-        assert cpu_kernels.attends_long_prefills(*heads) == avx512, heads
-    for heads in [(4, 4, 64), (9, 3, 8), (9, 3, 48)]:  # one query head per KV head; head sizes
-        assert not cpu_kernels.attends_long_prefills(*heads), heads
+    cases = {
+        "blocked": [(9, 3, 64), (8, 4, 128), (16, 2, 64)],  # query heads share KV heads
+        "blocked, partial": [(4, 4, 64), (12, 12, 128)],  # one query head per KV head
+        "per-key": [(9, 3, 8), (9, 3, 48), (4, 4, 96)],  # head sizes the blocks are not built for
+    }
+    for passes, shapes in cases.items():
+        for heads in shapes:
+            expected = passes if avx512 else "per-key"
+            assert cpu_kernels.prefill_passes(*heads) == expected, heads
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (4, 4, 64), (6, 2, 8)])
-def test_a_long_prefill_is_the_kernels_only_for_heads_it_attends_long_prefills_of(
-    monkeypatch, num_heads, num_kv_heads, head_size
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_size,query_len",
+    [(9, 3, 64, 520), (4, 4, 64, 520), (4, 4, 64, 1030), (6, 2, 8, 520)],
+)
+def test_a_long_prefill_is_the_kernels_up_to_its_passes_limit(
+    monkeypatch, num_heads, num_kv_heads, head_size, query_len
 ):
-    # 520 new tokens over 8 cached ones: past LONG_PREFILL_ATTENTIONS. The kernel attends it for
-    # heads its blocked passes take, SDPA for the others; either way the torch backend's result.
+    # New tokens over 8 cached ones, past the shortest limit (512 x 512 pairs); 1030 new ones
+    # also past the partial blocked passes' (1024 x 1024). The kernel attends up to the limit of
+    # the passes it runs these heads through, SDPA past it; either way the torch backend's result.
     torch_calls = []
     forward = TorchAttentionBackend.forward
 
@@ -153,14 +174,15 @@ def test_a_long_prefill_is_the_kernels_only_for_heads_it_attends_long_prefills_o
         torch_calls.append(1)
         return forward(self, *args, **kwargs)
 
-    steps = [(0, 8, 520), (1, 5, 1)]
+    steps = [(0, 8, query_len), (1, 5, 1)]
     args = (steps, num_heads, num_kv_heads, head_size, 16, None, torch.float32)
-    _, expected, _ = _attend(TorchAttentionBackend(), *args)
+    _, expected, _ = _attend(TorchAttentionBackend(), *args, num_blocks=80)
     monkeypatch.setattr(TorchAttentionBackend, "forward", counting_forward)
-    metadata, out, _ = _attend(CpuAttentionBackend(), *args)
+    metadata, out, _ = _attend(CpuAttentionBackend(), *args, num_blocks=80)
     assert metadata.long_prefill is not None
-    kernel = cpu_kernels.attends_long_prefills(num_heads, num_kv_heads, head_size)
-    assert torch_calls == ([] if kernel else [1])
+    passes = cpu_kernels.prefill_passes(num_heads, num_kv_heads, head_size)
+    limit = LONG_PREFILL_ATTENTIONS[passes]
+    assert torch_calls == ([] if query_len * (query_len + 8) <= limit else [1])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -153,8 +153,10 @@ int v1e_attention_blocked_bf16(const uint16_t *q, const char *k_cache, const cha
                                const int32_t *table, const struct unit *u,
                                const struct attention_shape *sh, float *scores, uint16_t *out);
 
-/* Whether the kernel outruns SDPA on long prompts of these heads (the blocked passes, on AVX-512
-   CPUs, head sizes 64 and 128, at least two query heads per KV head): 1 or 0. */
-int v1e_attention_long_prefills(long num_heads, long num_kv_heads, long head_size);
+/* Which passes take a prompt's whole units of rows for these heads: 2 the blocked passes with
+   their blocks full (two or more query heads per KV head), 1 the blocked passes with 8 of a
+   block's 12 query vectors (one query head per KV head), 0 the per-key passes (head sizes other
+   than 64 and 128, CPUs without AVX-512). */
+int v1e_attention_prefill_passes(long num_heads, long num_kv_heads, long head_size);
 
 #endif

@@ -4,16 +4,20 @@ The kernel reads each request's keys in place through the block table (no gather
 the longest request, no mask) and attends any mix of rows: decodes, prefills, chunks of a prefill
 over a cached prefix. A decode step runs several times faster than the torch backend's gathered
 SDPA, and prefills faster too (`scripts/bench_attention.py`, one layer on the 2-core AMD EPYC
-bench machine, float32). On AVX-512 CPUs, for head sizes 64 and 128, the kernel runs a prompt's
-rows as small matrix products, the blocked passes. Where query heads share KV heads (GQA): for
-SmolLM2's heads 5.2 vs 11.6 ms for one prompt of 1024 tokens, 20.6 vs 40.4 at 2048, 78 vs 138 at
-4096 (311 vs 482 at 8192); for 32 heads of 128 over 8 KV heads 38 vs 83 at 1024, 161 vs 256 at
-2048 and 752 vs 861 at 4096, so past `LONG_PREFILL_ATTENTIONS_BLOCKED` row-key pairs a step takes
-the torch backend. With one query head per KV head the passes fill only 8 of a block's 12
-vectors and fall behind sooner: over 32 KV heads of 128, 12.3 vs 26.0 ms at 512 tokens, 57.6 vs
-80.4 at 1024, 326 vs 282 at 2048; other heads take per-key passes. A step with a request past
-`LONG_PREFILL_ATTENTIONS` pairs therefore also carries the torch backend's plan, through which
-the layers of such heads attend. The torch backend also takes the steps over cache dtypes the
+bench machine, float32), up to a prompt length that depends on the passes
+(`cpu_kernels.prefill_passes`) and is kept in `LONG_PREFILL_ATTENTIONS`:
+- "blocked": on AVX-512 CPUs, head sizes 64 and 128, query heads sharing KV heads (GQA), the
+  kernel runs a prompt's rows as small matrix products. SmolLM2's heads: 5.2 vs 11.6 ms for one
+  prompt of 1024 tokens, 20.6 vs 40.4 at 2048, 78 vs 138 at 4096 (311 vs 482 at 8192); 32 heads
+  of 128 over 8 KV heads: 38 vs 83 at 1024, 161 vs 256 at 2048, 752 vs 861 at 4096. Up to 4096.
+- "blocked, partial": the same with one query head per KV head, 8 of a block's 12 vectors. 12
+  heads of 64: 9.8 vs 15.8 ms at 1024, 38 vs 55 at 2048; 32 heads of 128: 61 vs 93 at 1024, 158
+  vs 172 at 1536, 326 vs 282 at 2048. Up to 1024.
+- "per-key" (other head sizes, CPUs without AVX-512): when these passes still took 32 heads of
+  128 over 32 KV heads, 22 vs 36 ms at 512, level at 1024, 373 vs 273 at 2048. Up to 512.
+A step with a request past the shortest limit also carries the torch backend's plan, through
+which the layers whose limit it passes attend; past the longest the step is the torch
+backend's. The torch backend also takes the steps over cache dtypes the
 kernel does not read (float16), V heads of another size than K's, and slots of -1 among a step's
 real rows. Chosen by default on CPU when the kernels build (`get_default_attention_backend`).
 """
@@ -31,10 +35,11 @@ from v1engine.model.layers.cpu_kernel_library import KERNEL_DTYPES
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
 # Row-key pairs in one request (query rows x keys) past which SDPA's blocked GEMMs may beat the
-# kernel (the module docstring has the measurements): for heads the per-key passes take, a
-# 512-token prompt from scratch; for heads the blocked passes take, a 4096-token one.
-LONG_PREFILL_ATTENTIONS = 512 * 512
-LONG_PREFILL_ATTENTIONS_BLOCKED = 4096 * 4096
+# kernel, by the passes it runs a prompt's rows through (`cpu_kernels.prefill_passes`; the module
+# docstring has the measurements): a prompt from scratch of 512, 1024 or 4096 tokens.
+LONG_PREFILL_ATTENTIONS = {"per-key": 512 * 512, "blocked, partial": 1024 * 1024}
+LONG_PREFILL_ATTENTIONS["blocked"] = 4096 * 4096
+_SHORTEST, _LONGEST = min(LONG_PREFILL_ATTENTIONS.values()), max(LONG_PREFILL_ATTENTIONS.values())
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class CpuAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32, contiguous
     query_start_loc: torch.Tensor | None  # [num_reqs + 1] int32, contiguous
     num_rows: int
-    # The most row-key pairs of one request, and past LONG_PREFILL_ATTENTIONS the torch backend's
-    # plan, through which the layers `kernel_attends` refuses attend (the cache is written alike).
+    # The most row-key pairs of one request, and past the shortest LONG_PREFILL_ATTENTIONS the
+    # torch backend's plan, through which the layers `kernel_attends` refuses attend (the cache is
+    # written alike).
     longest_prefill: int = 0
     long_prefill: TorchAttentionMetadata | None = None
     # No window here: the kernel takes the layer's at call time (no plan depends on it).
@@ -76,7 +82,7 @@ class CpuAttentionBackend:
     ) -> CpuMetadata:
         if _kernel_reads(kv_cache_spec) and common.block_table.device.type == "cpu":
             longest = _longest_prefill_attentions(common)
-            if longest > LONG_PREFILL_ATTENTIONS_BLOCKED:
+            if longest > _LONGEST:
                 return self._torch.build_metadata(common, kv_cache_spec)
             num_rows = int(common.query_start_loc[-1])
             slots = common.slot_mapping[:num_rows].to(torch.int64).contiguous()
@@ -84,7 +90,7 @@ class CpuAttentionBackend:
                 decodes = common.max_query_len == 1 and num_rows == common.num_reqs
                 starts = None if decodes else common.query_start_loc.to(torch.int32).contiguous()
                 long_prefill = None
-                if longest > LONG_PREFILL_ATTENTIONS:
+                if longest > _SHORTEST:
                     long_prefill = self._torch.build_metadata(common, kv_cache_spec)
                 return CpuAttentionMetadata(
                     slots,
@@ -151,11 +157,10 @@ def _longest_prefill_attentions(common: CommonAttentionMetadata) -> int:
 def kernel_attends(row_key_pairs: int, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the kernel (else SDPA) attends a step whose longest request has this many row-key
     pairs, for these heads."""
-    if row_key_pairs <= LONG_PREFILL_ATTENTIONS:
+    if row_key_pairs <= _SHORTEST:
         return True
-    return row_key_pairs <= LONG_PREFILL_ATTENTIONS_BLOCKED and (
-        cpu_kernels.attends_long_prefills(num_heads, num_kv_heads, head_size)
-    )
+    passes = cpu_kernels.prefill_passes(num_heads, num_kv_heads, head_size)
+    return row_key_pairs <= LONG_PREFILL_ATTENTIONS[passes]
 
 
 def _kernel_reads(kv_cache_spec: AttentionSpec) -> bool:

@@ -37,13 +37,11 @@ static inline int blocked_passes_take(long rows, long G, long D)
     return (D == 64 || D == 128) && (rows * G >= SCORE_BLOCK || rows == ROW_BLOCK);
 }
 
-/* With two or more query heads per KV head, a unit's blocks fill up and the kernel stays ahead
-   of SDPA to 4,096-token prompts; with one it falls behind past 1,024 (32 heads of 128: 326 vs
-   282 ms at 2,048). */
-int v1e_attention_long_prefills(long num_heads, long num_kv_heads, long head_size)
+int v1e_attention_prefill_passes(long num_heads, long num_kv_heads, long head_size)
 {
     const long G = num_heads / num_kv_heads;
-    return blocked_passes_take(ROW_BLOCK, G, head_size) && ROW_BLOCK * G >= SCORE_BLOCK;
+    if (!blocked_passes_take(ROW_BLOCK, G, head_size)) return 0;
+    return ROW_BLOCK * G >= SCORE_BLOCK ? 2 : 1;
 }
 
 /* The unit's query vectors that read one KV head g, i = 0 .. rows * G - 1: row i / G, query head
@@ -230,7 +228,7 @@ BLOCKED_ATTENTION(v1e_attention_blocked_bf16, uint16_t, bf16_to_f32, load_bf16, 
 
 #else /* no AVX-512: the per-key passes take every unit */
 
-int v1e_attention_long_prefills(long num_heads, long num_kv_heads, long head_size)
+int v1e_attention_prefill_passes(long num_heads, long num_kv_heads, long head_size)
 {
     return 0;
 }

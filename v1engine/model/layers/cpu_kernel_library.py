@@ -62,7 +62,7 @@ _TYPED = {
 _UNTYPED = {
     "write_kv": ([_P] * 5 + [_N] * 4, None),
     "gemm_panel_width": ([], ctypes.c_long),
-    "attention_long_prefills": ([_N] * 3, ctypes.c_int),
+    "attention_prefill_passes": ([_N] * 3, ctypes.c_int),
 }
 # Kernels that exist for float32 only (v1e_<name>_f32).
 _FLOAT32 = {

@@ -287,11 +287,15 @@ def paged_attention(
     return out
 
 
-def attends_long_prefills(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-    """Whether `paged_attention` outruns SDPA on long prompts of these heads: where its blocked
-    passes fill their blocks (cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, two or
-    more query heads per KV head)."""
-    return bool(kernel("attention_long_prefills")(num_heads, num_kv_heads, head_size))
+PREFILL_PASSES = ("per-key", "blocked, partial", "blocked")
+
+
+def prefill_passes(num_heads: int, num_kv_heads: int, head_size: int) -> str:
+    """Which passes `paged_attention` runs a prompt's rows of these heads through: "blocked"
+    (small matrix products, cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, their
+    blocks filled by two or more query heads per KV head), "blocked, partial" (the same with one
+    query head per KV head: 8 of a block's 12 query vectors) or "per-key"."""
+    return PREFILL_PASSES[kernel("attention_prefill_passes")(num_heads, num_kv_heads, head_size)]
 
 
 def write_kv(
