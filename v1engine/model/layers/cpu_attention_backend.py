@@ -17,9 +17,9 @@ bench machine, float32), up to a prompt length that depends on the passes
   128 over 32 KV heads, 22 vs 36 ms at 512, level at 1024, 373 vs 273 at 2048. Up to 512.
 A step with a request past the shortest limit also carries the torch backend's plan, through
 which the layers whose limit it passes attend; past the longest the step is the torch
-backend's. The torch backend also takes the steps over cache dtypes the
-kernel does not read (float16), V heads of another size than K's, and slots of -1 among a step's
-real rows. Chosen by default on CPU when the kernels build (`get_default_attention_backend`).
+backend's. The torch backend also takes the steps over cache dtypes the kernel does not read
+(float16), V heads of another size than K's, and slots of -1 among a step's real rows. Chosen by
+default on CPU when the kernels build (`get_default_attention_backend`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ from v1engine.model.layers.torch_attention import TorchAttentionBackend, TorchAt
 # Row-key pairs in one request (query rows x keys) past which SDPA's blocked GEMMs may beat the
 # kernel, by the passes it runs a prompt's rows through (`cpu_kernels.prefill_passes`; the module
 # docstring has the measurements): a prompt from scratch of 512, 1024 or 4096 tokens.
-LONG_PREFILL_ATTENTIONS = {"per-key": 512 * 512, "blocked, partial": 1024 * 1024}
-LONG_PREFILL_ATTENTIONS["blocked"] = 4096 * 4096
+LONG_PREFILL_ATTENTIONS = {
+    "per-key": 512 * 512,
+    "blocked, partial": 1024 * 1024,
+    "blocked": 4096 * 4096,
+}
 _SHORTEST, _LONGEST = min(LONG_PREFILL_ATTENTIONS.values()), max(LONG_PREFILL_ATTENTIONS.values())
 
 
