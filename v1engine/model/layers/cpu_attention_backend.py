@@ -125,11 +125,12 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         if isinstance(metadata, TorchAttentionMetadata):
             return self._torch.forward(query, kv_cache, metadata, scale, sliding_window)
-        _, num_heads, head_size = query.shape
-        heads = (num_heads, kv_cache[0].shape[2], head_size)
         long_prefill = metadata.long_prefill
-        if long_prefill is not None and not kernel_attends(metadata.longest_prefill, *heads):
-            return self._torch.forward(query, kv_cache, long_prefill, scale, sliding_window)
+        if long_prefill is not None:  # only then can the heads send the layer to SDPA
+            _, num_heads, head_size = query.shape
+            heads = (num_heads, kv_cache[0].shape[2], head_size)
+            if not kernel_attends(metadata.longest_prefill, *heads):
+                return self._torch.forward(query, kv_cache, long_prefill, scale, sliding_window)
         rows = metadata.num_rows
         cache_dtype = kv_cache[0].dtype
         out = cpu_kernels.paged_attention(

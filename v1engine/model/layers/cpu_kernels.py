@@ -290,6 +290,7 @@ def paged_attention(
 PREFILL_PASSES = ("per-key", "blocked, partial", "blocked")
 
 
+@functools.cache  # a model's layers ask it on every long prefill; the answer never changes
 def prefill_passes(num_heads: int, num_kv_heads: int, head_size: int) -> str:
     """Which passes `paged_attention` runs a prompt's rows of these heads through: "blocked"
     (small matrix products, cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, their
