@@ -67,9 +67,10 @@ class ProfilingWorker(Worker):
         self._steps: dict[str, int] = defaultdict(int)
         self._current: dict[str, float] = defaultdict(float)
         runner = self.model_runner
-        for name in ("_update_states", "_forward", "_prompt_logprobs", "_sample"):
+        for name in ("_update_states", "_forward", "_sample"):
             setattr(runner, name, self._timed(name.strip("_"), getattr(runner, name)))
         self._wrap_module_function("build_model_inputs", "build model inputs")
+        self._wrap_module_function("compute_prompt_logprobs", "prompt_logprobs")
         self._wrap_module_function("build_sampling_metadata", "sampling metadata")
         runner.sampler = self._timed("sampler", runner.sampler)
         self._hook_leaves(runner.model)

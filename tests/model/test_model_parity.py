@@ -67,6 +67,42 @@ def test_forward_without_kv_cache_matches_transformers(tmp_path, arch):
     torch.testing.assert_close(logits[len(prompt) :], expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_output_rows_stop_after_the_last_layers_attention(tmp_path, arch):
+    """The rows the LM head reads (the runner passes the sampling rows) leave the model alone,
+    with the hidden states the full forward gives them; the other rows still reach the last
+    layer's attention (their K/V are written) but not its o_proj or MLP."""
+    path = make_checkpoint(tmp_path, arch)
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    prompt = make_prompts(model.config.vocab_size, [13])[0]
+    ids, positions = torch.tensor(prompt), torch.arange(len(prompt))
+    full = model(ids, positions)  # [13, hidden]
+
+    rows_seen: dict[str, list[int]] = {}
+
+    def record(name):
+        return lambda module, args: rows_seen.setdefault(name, []).append(args[0].shape[0])
+
+    last = model.model.layers[-1]
+    hooks = [
+        last.self_attn.attn.register_forward_pre_hook(record("last attention")),
+        last.self_attn.o_proj.register_forward_pre_hook(record("last o_proj")),
+        last.mlp.register_forward_pre_hook(record("last mlp")),
+        model.model.layers[0].mlp.register_forward_pre_hook(record("first mlp")),
+    ]
+    output_rows = torch.tensor([4, 12])
+    part = model(ids, positions, output_rows)
+    for hook in hooks:
+        hook.remove()
+    assert rows_seen == {
+        "first mlp": [13],
+        "last attention": [13],
+        "last o_proj": [2],
+        "last mlp": [2],
+    }
+    torch.testing.assert_close(part, full[output_rows], atol=1e-5, rtol=0)
+
+
 def test_bfloat16_model_tracks_float32(tmp_path):
     path = make_checkpoint(tmp_path, "qwen2")
     hf_config = load_hf_config(path)

@@ -166,7 +166,7 @@ class GPUModelRunner:
         inputs = build_dummy_model_inputs(
             query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
-        hidden = self._forward(inputs)[inputs.logits_indices]
+        hidden = self._forward(inputs, inputs.logits_indices)
         if after_forward is not None:
             after_forward()
         logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
@@ -235,12 +235,16 @@ class GPUModelRunner:
         self.kv_cache_group_specs = []
 
     # -- one step --------------------------------------------------------------------------------
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model over the step's tokens: [num_tokens, hidden_size]."""
+    def _forward(
+        self, inputs: ModelInputs, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The model over the step's tokens: the hidden states of `output_rows` of them (all
+        when None), [rows, hidden_size]."""
         if self.cuda_graphs is not None and self.cuda_graphs.fits(inputs):
-            return self.cuda_graphs.replay(inputs)
+            hidden = self.cuda_graphs.replay(inputs)  # decodes: every row samples
+            return hidden if output_rows is None else hidden[output_rows]
         with set_forward_context(inputs.query_start_loc, self.attn_backend, inputs.attn_metadata):
-            return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions, output_rows)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -261,22 +265,34 @@ class GPUModelRunner:
         inputs = build_model_inputs(
             batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
-        hidden = self._forward(inputs)
         # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
-        prompt_logprobs = self._prompt_logprobs(hidden, query_lens)
+        hidden, prompt_logprobs = self._run_model(inputs, query_lens)
         sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
         self.states.append_sampled(req_ids, sampled)
         if not self.is_driver:
             return None
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, query_lens: np.ndarray
-    ) -> dict[str, LogprobsLists]:
+    def _run_model(
+        self, inputs: ModelInputs, query_lens: np.ndarray
+    ) -> tuple[torch.Tensor, dict[str, LogprobsLists]]:
+        """The forward: the hidden states of the rows that sample ([num_sampling, hidden_size]),
+        and the prompt logprobs of the requests that asked for them. Only the sampling rows
+        leave the model unless prompt logprobs read every row."""
         plan = self.prompt_logprobs_states.plan(self.states.input_batch, query_lens, self.device)
         if plan is None:
-            return {}
-        return compute_prompt_logprobs(self.model.compute_logits, hidden, plan, self.is_driver)
+            return self._forward(inputs, self._output_rows(inputs)), {}
+        hidden = self._forward(inputs)
+        prompt_logprobs = compute_prompt_logprobs(
+            self.model.compute_logits, hidden, plan, self.is_driver
+        )
+        return hidden[inputs.logits_indices], prompt_logprobs
+
+    @staticmethod
+    def _output_rows(inputs: ModelInputs) -> torch.Tensor | None:
+        """The rows the LM head reads, or None where it reads them all (decodes only)."""
+        every_row = len(inputs.sampling_rows) == inputs.input_ids.shape[0]
+        return None if every_row else inputs.logits_indices
 
     def _sample(
         self,
@@ -287,11 +303,12 @@ class GPUModelRunner:
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
         rows' logprobs, within the grammar bitmask the scheduler sent for structured requests.
-        The driver samples; every rank gets its tokens (each appends them to its states)."""
+        `hidden`: the sampling rows' hidden states. The driver samples; every rank gets its
+        tokens (each appends them to its states)."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab]
         logprobs = None
         if self.is_driver:
             sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]

@@ -1,7 +1,8 @@
 """Llama (and SmolLM2): the decoder every other architecture here reuses with small overrides.
 
 Interface the model runner relies on, shared by all models in this package:
-`model(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]`,
+`model(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]`, or
+`model(input_ids, positions, output_rows [n]) -> hidden [n, hidden_size]` for those rows only,
 `model.compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]` float32, and
 `model.load_weights(iterable of (checkpoint name, tensor or safetensors slice))`.
 """
@@ -129,7 +130,11 @@ class LlamaAttention(nn.Module):
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
-    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, cos_sin: CosSin, hidden_states: torch.Tensor, output_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Every token's K/V is written and attends; only `output_rows` (all when None) go on
+        through o_proj."""
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -137,6 +142,8 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         q, k = self.rotary_emb(cos_sin, *self.qk_norm(q, k))
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
+        if output_rows is not None:
+            out = out[output_rows]
         return self.o_proj(out)
 
 
@@ -157,15 +164,22 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, cos_sin: CosSin, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        cos_sin: CosSin,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        output_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Past the attention, only `output_rows` of the tokens (all when None)."""
         # The residual add is fused into the next norm: (hidden, residual) -> norm(sum), sum.
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states)
+        hidden_states = self.self_attn(cos_sin, hidden_states, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -183,14 +197,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.decode_stack = LlamaDecodeStack(self)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of `output_rows` of the tokens (all when None)."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         if self.decode_stack.applies(hidden_states):  # a CPU decode step: all layers in C
-            return self.decode_stack(hidden_states, cos_sin)
+            hidden_states = self.decode_stack(hidden_states, cos_sin)
+            return hidden_states if output_rows is None else hidden_states[output_rows]
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             hidden_states, residual = layer(cos_sin, hidden_states, residual)
+        # The last layer's outputs feed only the LM head: rows it will not read (a prompt's
+        # tokens before its last) stop after their K/V are written, as llama.cpp's do: a
+        # prefill skips most of one layer's matmuls (SmolLM2: 2.8% of them).
+        hidden_states, residual = self.layers[-1](cos_sin, hidden_states, residual, output_rows)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -209,8 +234,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, output_rows)
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
