@@ -234,13 +234,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, output_rows)
+    def forward(self, *inputs: torch.Tensor | None) -> torch.Tensor:
+        """`LlamaModel.forward`: (input_ids, positions[, output_rows]) -> hidden states."""
+        return self.model(*inputs)
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
