@@ -300,11 +300,17 @@ PAGED_ATTENTION(v1e_paged_attention_bf16, uint16_t, bf16_to_f32, load_bf16, f32_
                 v1e_attention_blocked_bf16)
 
 /* Stores each new token's K and V row (KVH * D elements, `row_bytes` bytes) at its slot; rows of
-   key/value are `key_stride`/`value_stride` bytes apart (a view into the fused QKV output). */
+   key/value are `key_stride`/`value_stride` bytes apart (a view into the fused QKV output).
+   Split over the threads from 64 tokens, as the norms are: the first write into a cache page
+   takes a page fault that zero-fills it (the cache is mapped lazily, kv_cache.py), and the
+   threads take theirs at once. A 2,048-token step's 30 layers of SmolLM2 K/V, in a one-off C
+   harness: 34-37 ms on one thread into fresh pages against 19 on two, 5.4 against 3.5 ms into
+   pages already touched. */
 void v1e_write_kv(const char *key, const char *value, char *k_cache, char *v_cache,
                   const int64_t *slots, long num_tokens, long key_stride, long value_stride,
                   long row_bytes)
 {
+#pragma omp parallel for if (num_tokens >= 64)
     for (long t = 0; t < num_tokens; t++) {
         memcpy(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
         memcpy(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
