@@ -318,6 +318,12 @@ def fmt(values: list[float]) -> str:
     return ", ".join(f"{v:.1f}" for v in values)
 
 
+def round_ratios(ours: dict, theirs: dict, runs: str) -> str:
+    """Per round, our figure over theirs: a round's systems ran next to each other, so these
+    show how far the median's ratio holds as the machine drifts."""
+    return "rounds " + ", ".join(f"{a / b:.2f}" for a, b in zip(ours[runs], theirs[runs]))
+
+
 def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms: float) -> None:
     print(
         f"\nweights {weights_bytes / 1e6:.0f} MB, read bandwidth {bandwidth:.1f} GB/s: batch-1 "
@@ -337,8 +343,10 @@ def print_results(results: dict, weights_bytes: int, bandwidth: float, bound_ms:
             decode = base["decode1_tok_s"] / r["decode1_tok_s"]
             same = r["decode1_tokens_equal_to_v1engine_first"]
             print(
-                f"v1engine / {name}: throughput {throughput:.2f}x, decode1 {decode:.2f}x; "
-                f"same greedy tokens for the first {same} of 256"
+                f"v1engine / {name}: throughput {throughput:.2f}x "
+                f"({round_ratios(base, r, 'throughput_runs')}), decode1 {decode:.2f}x "
+                f"({round_ratios(base, r, 'decode1_runs')}); same greedy tokens for the first "
+                f"{same} of 256"
             )
             if r["nano_tok_s"]:
                 print(f"  nano workload: {base['nano_tok_s'] / r['nano_tok_s']:.2f}x")
