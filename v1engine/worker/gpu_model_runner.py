@@ -166,7 +166,7 @@ class GPUModelRunner:
         inputs = build_dummy_model_inputs(
             query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
-        hidden = self._forward(inputs, inputs.logits_indices)
+        hidden = self._forward(inputs, self._output_rows(inputs))  # as a real step's
         if after_forward is not None:
             after_forward()
         logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
