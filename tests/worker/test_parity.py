@@ -5,7 +5,8 @@ drives `execute_model` through `collective_rpc` with the real scheduler's Schedu
 chunked prefill, a cached prefix, late arrivals, a preemption, an unscheduled step and decodes
 (see `worker_utils.run_mixed_scenario`). Tiny random checkpoints cover Llama (untied GQA, tied
 MHA), Qwen2, Qwen3, Mistral (sliding window 8 < the sequences) and a hybrid Qwen2 (full +
-sliding-window layers: two KV cache groups); the real SmolLM2-135M runs at TP=1 and TP=3.
+sliding-window layers: two KV cache groups); the real SmolLM2-135M runs at TP=1 and TP=3. At TP=1
+the greedy steps go through the LM head's bfloat16 screen, checked against the full logits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.worker.worker_utils import (
     run_kv_cache_handshake,
     run_mixed_scenario,
     run_requests,
+    screened_steps,
 )
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
@@ -51,9 +53,11 @@ def test_mixed_batches_match_transformers(checkpoints, arch, tp):
         hf_model = load_hf_model(path)
         vocab_size = hf_model.config.vocab_size
         requests, record = run_mixed_scenario(executor_step(executor), configs[0], vocab_size)
+        screened = executor.collective_rpc(screened_steps)
     finally:
         executor.shutdown()
     check_parity_with_hf(hf_model, requests, record, TINY_ATOL)
+    check_greedy_screen_ran(screened, tp)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +88,19 @@ def test_smollm2_matches_transformers(smollm2, tp):
         scheduler = make_scheduler(kv_cache_config, 12, 12, max_model_len)
         arrivals = {0: requests[:2], 2: requests[2:]}
         record = run_requests(scheduler, executor_step(executor), arrivals)
+        screened = executor.collective_rpc(screened_steps)
     finally:
         executor.shutdown()
     events = {event for event, _ in record.events()}
     assert {"chunked_prefill", "prefix_hit", "preempted", "resumed"} <= events
     check_parity_with_hf(hf_model, requests, record, SMOLLM2_ATOL)
+    check_greedy_screen_ran(screened, tp)
+
+
+def check_greedy_screen_ran(screened: list[int], tp: int) -> None:
+    """One CPU rank samples its greedy steps of up to 4 requests through the bfloat16 screen of
+    the float32 LM head (greedy_screen.py); with the vocabulary split over ranks none does."""
+    if tp == 1:
+        assert screened[0] > 0, "the greedy screen never sampled"
+    else:
+        assert screened == [0] * tp

@@ -62,8 +62,10 @@ def execute_with_logits(
     worker: Any, scheduler_output: SchedulerOutput
 ) -> tuple[ModelRunnerOutput | None, torch.Tensor | None]:
     """`execute_model`, plus the logits the sampler saw ([num_sampled, vocab] on the CPU, or
-    None when nothing sampled)."""
+    None when nothing sampled). A step the greedy screen samples records the full LM head's
+    logits too, computes nothing else differently, and counts in `screened_steps`."""
     model = worker.model_runner.model
+    screen = worker.model_runner.greedy_screen
     recorded: list[torch.Tensor] = []
 
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
@@ -71,12 +73,26 @@ def execute_with_logits(
         recorded.append(logits.cpu().clone())
         return logits
 
+    def screened_argmax(hidden: torch.Tensor) -> torch.Tensor | None:
+        compute_logits(hidden)
+        worker.screened_steps = screened_steps(worker) + 1
+        return type(screen).argmax(screen, hidden)
+
     model.compute_logits = compute_logits
+    if screen is not None:
+        screen.argmax = screened_argmax
     try:
         output = worker.execute_model(scheduler_output)
     finally:
         del model.compute_logits
+        if screen is not None:
+            del screen.argmax
     return output, (recorded[0] if recorded else None)
+
+
+def screened_steps(worker: Any) -> int:
+    """How many steps `execute_with_logits` saw the greedy screen sample."""
+    return getattr(worker, "screened_steps", 0)
 
 
 def num_known_requests(worker: Any) -> tuple[int, int]:

@@ -9,9 +9,10 @@ A step (`execute_model`):
    once, in `load_model`) builds from the group's slot mapping and block table.
 3. forward inside `set_forward_context`, then logits only at the prompt positions whose
    prompt logprobs are asked for (`prompt_logprobs.py`) and at those last tokens (every rank:
-   the LM head gathers over the tensor-parallel group); the driver alone samples, and every rank
-   appends the driver's tokens to its request states (the next step may already be scheduled
-   on top of them).
+   the LM head gathers over the tensor-parallel group); the driver alone samples (a greedy step
+   of a few requests on one CPU rank reads the LM head through `greedy_screen.py`), and every
+   rank appends the driver's tokens to its request states (the next step may already be
+   scheduled on top of them).
 
 The class runs on CPU or CUDA alike; its name follows vLLM.
 """
@@ -31,8 +32,10 @@ from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers, set_forward_context
 from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
+from v1engine.model.layers.greedy_screen import GreedyScreen
 from v1engine.model.layers.linear import packed_weight_bytes
 from v1engine.model.layers.sampler import Sampler
+from v1engine.model.layers.sampling_metadata import SamplingMetadata
 from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -89,6 +92,8 @@ class GPUModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.weights_bytes = 0
         self.sampler = Sampler()
+        # CPU, float32, one rank: greedy steps of a few rows read the LM head in bfloat16 first.
+        self.greedy_screen: GreedyScreen | None = None
         # The request states and the persistent batch; built with the KV cache.
         self.states: RequestStates | None = None
         self.prompt_logprobs_states = PromptLogprobsStates()
@@ -105,10 +110,13 @@ class GPUModelRunner:
         self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
         self.attn_layers = get_attention_layers(self.model)
         self.attn_backend = get_default_attention_backend(self.device.type)
+        self.greedy_screen = GreedyScreen.for_model(self.model)
         # parameters() yields a tied weight once; the CPU gemm's packed copies are not parameters.
         self.weights_bytes = sum(
             p.numel() * p.element_size() for p in self.model.parameters()
         ) + packed_weight_bytes(self.model)
+        if self.greedy_screen is not None:
+            self.weights_bytes += self.greedy_screen.nbytes
         info_once(
             logger,
             "Loaded %s (%s, %s attention) in %.2f s: %.3f GiB of weights per rank",
@@ -308,17 +316,15 @@ class GPUModelRunner:
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
-        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab]
         logprobs = None
         if self.is_driver:
             sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]
             states = [self.states.requests[req_id] for req_id in sampling_req_ids]
             bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
             metadata = build_sampling_metadata(states, self.vocab_size, self.device, bitmask)
-            output = self.sampler(logits, metadata)
-            token_ids = output.sampled_token_ids
-            logprobs = to_logprobs_lists(output.logprobs)
+            token_ids, logprobs = self._driver_sample(hidden, metadata)
         else:
+            self.model.compute_logits(hidden)  # the LM head gathers over every rank
             token_ids = torch.empty(
                 len(inputs.sampling_rows), dtype=torch.int64, device=self.device
             )
@@ -326,6 +332,18 @@ class GPUModelRunner:
         for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
             sampled[row] = [token_id]
         return sampled, logprobs
+
+    def _driver_sample(
+        self, hidden: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, LogprobsLists | None]:
+        """The sampling rows' tokens [num_sampling] and logprobs, on the driver."""
+        screen = self.greedy_screen
+        if screen is not None and metadata.argmax_only and screen.applies(len(hidden)):
+            token_ids = screen.argmax(hidden)
+            if token_ids is not None:
+                return token_ids, None
+        output = self.sampler(self.model.compute_logits(hidden), metadata)
+        return output.sampled_token_ids, to_logprobs_lists(output.logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.states is None:

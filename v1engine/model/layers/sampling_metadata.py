@@ -64,6 +64,17 @@ class SamplingMetadata:
     def num_reqs(self) -> int:
         return self.temperature.shape[0]
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row samples the argmax of its raw logits and reads nothing else of them."""
+        return (
+            self.all_greedy
+            and self.no_penalties
+            and self.max_num_logprobs is None
+            and self.logit_bias is None
+            and self.grammar_bitmask is None
+        )
+
     @classmethod
     def from_lists(
         cls,
