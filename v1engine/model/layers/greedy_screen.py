@@ -73,14 +73,15 @@ class GreedyScreen:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_rows] int64: each row's argmax of hidden [num_rows, hidden_size] @ weight^T, or
-        None where more than MAX_CANDIDATES rows stay in doubt."""
+        None where the screen cannot decide cheaply: more than MAX_CANDIDATES rows stay in
+        doubt, or none does in a row (NaN)."""
         hidden = hidden.float().contiguous()
         approx = cpu_kernels.gemv(hidden.to(torch.bfloat16), self.weight_bf16).float()
         hidden_norms = torch.linalg.vector_norm(hidden, dim=1, keepdim=True)
         bounds = hidden_norms * self.row_bounds + _SLACK * _UNIT_ROUNDOFF_BF16 * approx.abs()
         floor = approx.amax(dim=1, keepdim=True) - bounds.amax(dim=1, keepdim=True)
         in_doubt = approx + bounds >= floor  # [num_rows, vocab_size]
-        if not in_doubt.any(dim=1).all():  # a NaN row: argmax's own rule decides
+        if not in_doubt.any(dim=1).all():  # NaN: the sampler's argmax has its own rule
             return None
         candidates = in_doubt.any(dim=0).nonzero().flatten()  # ascending
         if len(candidates) > MAX_CANDIDATES:
