@@ -17,6 +17,11 @@
 
 #define TOKEN_TILE 4
 
+/* Below this many weights (256 KiB of float32) one thread reads them in about what starting and
+   joining a parallel region costs, and far less where another process holds a core the region
+   has to wait for (the LM-head screen's few candidate rows, greedy_screen.py). */
+#define PARALLEL_MIN_WEIGHTS (1L << 16)
+
 /* How many rows ahead a thread prefetches its weights: about 4 KiB, for rows of up to 4 KiB. The
    hardware's stream prefetcher stops at every 4 KiB page boundary, which a short row (SmolLM2's
    576 floats: 2304 bytes) crosses every other row; long rows keep it going, and there a software
@@ -58,7 +63,7 @@ static long prefetch_rows(long row_bytes)
     void NAME(const T *x, const T *w, const T *b, T *y, long M, long N, long K)               \
     {                                                                                         \
         const long ahead = prefetch_rows(K * (long)sizeof(T));                                \
-        _Pragma("omp parallel for schedule(static)")                                          \
+        _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)")       \
         for (long n = 0; n < N; n++) {                                                        \
             float sums[M];                                                                    \
             if (ahead && n + ahead < N)                                                       \
