@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from v1engine.model.layers import cpu_kernels
-from v1engine.model.layers.linear import ParallelLMHead
+from v1engine.model.layers.linear import ParallelLMHead, kernels_apply
 from v1engine.model.parallel_state import get_tp_world_size
 
 _UNIT_ROUNDOFF_BF16 = 2.0**-8
@@ -69,9 +69,7 @@ class GreedyScreen:
         weight = head.weight[: head.num_embeddings]
         if weight.dtype != torch.float32 or not cpu_kernels.cpu_inputs(weight):
             return None
-        if not cpu_kernels.available() or not weight.is_contiguous():
-            return None
-        return cls(weight)
+        return cls(weight) if kernels_apply(weight, None) else None
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +84,6 @@ class GreedyScreen:
         """[num_rows] int64: each row's argmax of hidden [num_rows, hidden_size] @ weight^T, or
         None where the screen cannot decide cheaply: more than MAX_CANDIDATES rows stay in
         doubt, or the logits are not finite."""
-        hidden = hidden.float().contiguous()
         approx = _bf16_as_float32(
             cpu_kernels.gemv(hidden.to(torch.bfloat16), self.weight_bf16)
         )  # [num_rows, vocab_size]

@@ -204,7 +204,7 @@ def linear(
         return F.linear(x, weight, bias)
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= max_kernel_tokens(x.dtype) and _kernels_apply(weight, bias):
+    if 0 < rows <= max_kernel_tokens(x.dtype) and kernels_apply(weight, bias):
         if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
             return cpu_kernels.gemv(x, weight, bias)
         if packed is not None and rows <= cpu_kernels.max_gemm_packed_tokens(x.dtype):
@@ -251,7 +251,7 @@ def _packs(weight: torch.Tensor) -> bool:
     return (
         cpu_kernels.max_gemm_packed_tokens(weight.dtype) > 0
         and cpu_kernels.cpu_inputs(weight)
-        and _kernels_apply(weight, None)
+        and kernels_apply(weight, None)
     )
 
 
@@ -260,7 +260,7 @@ def max_kernel_tokens(dtype: torch.dtype) -> int:
     return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype))
 
 
-def _kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Beyond `cpu_inputs` (checked by the caller): contiguous weights, kernels built."""
     return (
         weight.is_contiguous()
