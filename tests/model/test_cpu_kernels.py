@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(
 # Sums of up to 600 products of unit normals, added in another order than torch's.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])  # below, at and past one four-row tile
-@pytest.mark.parametrize("in_features", [1, 37, 600])  # vector lanes: none full, some, tail
+# in_features: no full vector, some, whole groups of the gemv's four sums (192), groups and tail.
+@pytest.mark.parametrize("in_features", [1, 37, 192, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_f_linear(dtype, tol, rows, in_features, with_bias):
     generator = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -98,6 +99,17 @@ def test_packed_weights_are_panels_of_outputs_k_major_zero_padded():
     assert torch.equal(panels[0], weight[:width].T)
     assert torch.equal(panels[1, :, :5], weight[width:].T)
     assert not panels[1, :, 5:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_have_the_same_bits_alone_and_in_a_tile(dtype):
+    # 9 rows: two four-row tiles and one row alone; each row's sums are taken in one order.
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(9, 600, generator=generator).to(dtype)
+    weight = torch.randn(33, 600, generator=generator).to(dtype)
+    together = cpu_kernels.gemv(x, weight)
+    for row in range(9):
+        assert torch.equal(together[row], cpu_kernels.gemv(x[row : row + 1], weight)[0])
 
 
 def test_gemv_keeps_leading_dimensions():

@@ -52,7 +52,7 @@ KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _N, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 # name -> (argument types, return type), as the C files declare them.
 _TYPED = {
-    "gemv": ([_P] * 4 + [_N] * 3, None),
+    "gemv": ([_P] * 4 + [_N] * 3, ctypes.c_int),
     "paged_attention": ([_P] * 7 + [_N] * 7 + [_F], ctypes.c_int),
     "rms_norm": ([_P] * 5 + [_N] * 2 + [_F], None),
     "rotary": ([_P] * 6 + [_N] * 6, None),

@@ -59,7 +59,7 @@ static inline float v1e_expf(float x)
 /* The kernels, as the C files define them (the decoder stack calls them; the Python side's
    signatures are in cpu_kernel_library.py). Per element type T, with suffix S. */
 #define DECLARE_KERNELS(S, T)                                                                  \
-    void v1e_gemv_##S(const T *x, const T *w, const T *b, T *y, long M, long N, long K);       \
+    int v1e_gemv_##S(const T *x, const T *w, const T *b, T *y, long M, long N, long K);        \
     void v1e_rms_norm_##S(const T *x, const T *residual, const T *weight, T *sum, T *out,      \
                           long rows, long hidden, float eps);                                  \
     void v1e_rotary_##S(const T *q, const T *k, const T *cos, const T *sin, T *q_out,          \

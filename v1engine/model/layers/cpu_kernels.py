@@ -177,8 +177,8 @@ def linear_with(
         out_features,
         in_features,
     )
-    if failed:  # only the tiled gemm allocates (its packed copy of x); the others return nothing
-        raise MemoryError("the gemm kernel could not allocate its packed copy of the input")
+    if failed:  # the tiled gemm packs x, the bfloat16 gemv widens it; the packed gemm returns None
+        raise MemoryError("the CPU matmul kernel could not allocate its copy of the input rows")
     return out.view(*x.shape[:-1], out_features)
 
 
