@@ -1,5 +1,6 @@
-"""What the benchmarks share: the machine they ran on (their `--json` "machine"), busy cores,
-and a git worktree of a baseline commit to measure beside the current code in the same run."""
+"""What the benchmarks share: the machine they ran on (their `--json` "machine"), its read
+bandwidth, busy cores, and a git worktree of a baseline commit to measure beside the current code
+in the same run."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,6 +34,24 @@ def cuda_machine_info() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
+
+
+def read_bandwidth_gb_s(threads: int) -> float:
+    """GB/s that `threads` threads read at: summing 1 GiB of float32, best of 5."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(256 << 20)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return data.numel() * 4 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager

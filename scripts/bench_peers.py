@@ -55,10 +55,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import NamedTuple
 
-from _bench_utils import checkout_env, cpu_machine_info, worktree
+from _bench_utils import checkout_env, cpu_machine_info, read_bandwidth_gb_s, worktree
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,24 +101,6 @@ def max_model_len(args: argparse.Namespace) -> int:
     """What every system is started with: enough for the longest request of the workloads."""
     longest = max(1024, 2048 if args.nano_seqs else 0, args.long_prompt + 128)
     return -(-longest // 256) * 256
-
-
-def read_bandwidth_gb_s(threads: int) -> float:
-    """GB/s that `threads` threads read at: summing 1 GiB of float32, best of 5."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        data = torch.ones(256 << 20)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - start)
-        return data.numel() * 4 / best / 1e9
-    finally:
-        torch.set_num_threads(before)
 
 
 def measure_bandwidths(samples: dict[str, list[float]]) -> None:

@@ -25,13 +25,14 @@ from v1engine.utils import cdiv
 
 logger = init_logger(__name__)
 
-# Up to this many rows our gemv beats the other kernels (the SmolLM2 step, 2-core AVX-512 Xeon).
-# bfloat16 (scripts/bench_gemm.py, the step's matmuls and LM head): against oneDNN, level at 4 and
-# 14% slower at 5, as the gemv widens every element. float32: one row, where the engine's decode
-# step took 31.2-32.1 ms against 32.1-32.6 with the packed gemm (scripts/profile_steps.py, three
-# alternating runs); from two rows the packed gemm wins (bench_gemm: 32 vs 34-48 ms for the step's
-# matmuls at 2 to 8 rows).
-_MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 4}
+# Up to this many rows our gemv beats the other kernels. bfloat16 (scripts/bench_gemm.py, the
+# SmolLM2 step's matmuls and LM head, 2-core Zen 5, three runs): 9.2 vs 12.0 ms for oneDNN at 4
+# rows, 11.6-12.6 vs 14.6-15.2 at 5; at 6 no faster (14.5-15.2 vs 12.2-15.0), as the gemv's
+# second pass over each weight row (a four-row tile, then the rest) costs more than it saves.
+# float32: one row (2-core AVX-512 Xeon), where the engine's decode step took 31.2-32.1 ms against
+# 32.1-32.6 with the packed gemm (scripts/profile_steps.py, three alternating runs); from two rows
+# the packed gemm wins (bench_gemm: 32 vs 34-48 ms for the step's matmuls at 2 to 8 rows).
+_MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 5}
 
 
 # Up to this many rows (float32 only) our matmuls beat the library that takes the rows past them

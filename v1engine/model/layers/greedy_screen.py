@@ -17,7 +17,7 @@ screens the vocabulary and the float32 weights decide among the few rows it cann
    a_t + u |a_t| >= max(a) - u |max(a)| - 2 P |h|. The left side grows with a_t: the rows above
    one threshold hold t, and the float32 logits of those rows pick it (the first on a tie, as
    argmax does). Those logits come from our float32 gemv: at one row the same bits as the full
-   head's; at 2 to 4 rows the full head runs the packed gemm, whose sums may differ in the last
+   head's; at more rows the full head runs the packed gemm, whose sums may differ in the last
    bit, so there a near-tie at float32's own rounding may go either way, as between two kernels.
 
 One threshold per row of the step keeps the screen to a few passes over the approximate logits,
