@@ -19,10 +19,10 @@
 
 #define TOKEN_TILE 4
 
-/* Each token's dot product with a row is ACCUMULATORS vector sums, vector j of every group of
-   ACCUMULATORS taking the row's elements from j * LANES: a multiply-add waits ~4 cycles for the
-   one before it into the same sum, so one sum per token let a row of one token go no faster than
-   one vector per 4 cycles. That held a bfloat16 row of one token (LANES elements per vector but
+/* Each token's dot product with a row is split over ACCUMULATORS vector sums: sum j takes the
+   row's vectors j, j + ACCUMULATORS, ... (the few past the last whole group go to sums 0, 1, 2).
+   A multiply-add waits ~4 cycles for the one before it into the same sum, so one sum per token
+   let a row of one token go no faster than one vector per 4 cycles. That held a bfloat16 row of one token (LANES elements per vector but
    half the bytes) under the memory's speed: 63 GB/s against float32's 88 in the same minute on
    the 2-core Zen 5. Every token's sums are taken in this order whichever tile it is in, so a
    row's output has the same bits at any M. */
@@ -44,15 +44,32 @@ static long prefetch_rows(long row_bytes)
     return row_bytes > 4096 ? 0 : (4096 + row_bytes - 1) / row_bytes;
 }
 
-/* A token's sum: its vectors' sums added in pairs, their lanes in order, then the last K % LANES
+/* The sum of v's lanes, halving: lane i + lane i + LANES/2, and so on (a chain of LANES adds,
+   one after another, took longer than the row's multiply-adds at one token). */
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float vec2 __attribute__((vector_size(2 * sizeof(float))));
+
+static inline float sum_halving(vec v)
+{
+#if LANES == 16
+    vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vec8 h8 = v;
+#endif
+    vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    vec2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+    return h2[0] + h2[1];
+}
+
+/* A token's sum: its vector sums added in pairs, their lanes halving, then the last K % LANES
    products (k from `tail`). */
 #define FINISH_SUM(S, T, LOAD)                                                                 \
     static inline float finish_sum_##S(const vec *acc, const float *x, const T *w, long tail,  \
                                        long K)                                                 \
     {                                                                                          \
-        vec v = (acc[0] + acc[1]) + (acc[2] + acc[3]);                                         \
-        float s = 0.f;                                                                         \
-        for (int i = 0; i < LANES; i++) s += v[i];                                             \
+        float s = sum_halving((acc[0] + acc[1]) + (acc[2] + acc[3]));                          \
         for (long k = tail; k < K; k++) s += x[k] * LOAD(w[k]);                                \
         return s;                                                                              \
     }
