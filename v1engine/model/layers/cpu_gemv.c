@@ -22,10 +22,9 @@
 /* Each token's dot product with a row is split over ACCUMULATORS vector sums: sum j takes the
    row's vectors j, j + ACCUMULATORS, ... (the few past the last whole group go to sums 0, 1, 2).
    A multiply-add waits ~4 cycles for the one before it into the same sum, so more sums keep more
-   of them in flight. Together with
-   widening bfloat16 activations once per call, it made the bfloat16 step's matmuls 1.13-1.20x
-   faster at 2-4 tokens and beat oneDNN at 5 (bench_gemm --baseline-ref, 2-core Zen 5); at one
-   token they were level, float32 too (bench_decode: 1.00x). Every token's sums are taken in this
+   of them in flight. Together with widening bfloat16 activations once per call, it made the
+   bfloat16 step's matmuls 1.13-1.20x faster at 2-4 tokens and beat oneDNN at 5 (bench_gemm
+   --baseline-ref, 2-core Zen 5); at one token they were level, float32 too (bench_decode: 1.00x). Every token's sums are taken in this
    order whichever tile it is in, so a row's output has the same bits at any M. Measured with
    AVX-512 only; with AVX2's 16 vector registers a four-token tile's 16 sums do not all fit. */
 #define ACCUMULATORS 4
@@ -46,28 +45,8 @@ static long prefetch_rows(long row_bytes)
     return row_bytes > 4096 ? 0 : (4096 + row_bytes - 1) / row_bytes;
 }
 
-/* The sum of v's lanes, halving: lane i + lane i + LANES/2, and so on (a chain of LANES adds,
-   one after another, took longer than the row's multiply-adds at one token). */
-typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
-typedef float vec2 __attribute__((vector_size(2 * sizeof(float))));
-
-static inline float sum_halving(vec v)
-{
-#if LANES == 16
-    vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    vec8 h8 = v;
-#endif
-    vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
-              __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-    vec2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
-    return h2[0] + h2[1];
-}
-
-/* A token's sum: its vector sums added in pairs, their lanes halving, then the last K % LANES
-   products (k from `tail`). */
+/* A token's sum: its vector sums added in pairs, their lanes by `sum_halving`, then the last
+   K % LANES products (k from `tail`). */
 #define FINISH_SUM(S, T, LOAD)                                                                 \
     static inline float finish_sum_##S(const vec *acc, const float *x, const T *w, long tail,  \
                                        long K)                                                 \

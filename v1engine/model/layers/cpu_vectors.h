@@ -1,6 +1,6 @@
 /* Vectors of float32 for the CPU kernels (GCC vector extensions, so the same C builds for
-   AVX-512 and AVX2): LANES floats per vector, unaligned loads of float32 and bfloat16, and the
-   lane sums of LANES vectors at once. */
+   AVX-512 and AVX2): LANES floats per vector, unaligned loads of float32 and bfloat16, the lane
+   sums of LANES vectors at once, and the lane sum of one. */
 
 #ifndef V1ENGINE_CPU_VECTORS_H
 #define V1ENGINE_CPU_VECTORS_H
@@ -67,6 +67,27 @@ static inline vec sum_lanes(const vec *v)
            __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 #endif
+
+/* The sum of v's lanes, halving: lane i + lane i + LANES/2, and so on (in cpu_gemv.c, a chain
+   of LANES adds, one after another, took longer than a weight row's multiply-adds at one
+   token). */
+typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+typedef float vec2 __attribute__((vector_size(2 * sizeof(float))));
+
+static inline float sum_halving(vec v)
+{
+#if LANES == 16
+    vec8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vec8 h8 = v;
+#endif
+    vec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) +
+              __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    vec2 h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+    return h2[0] + h2[1];
+}
 
 #if LANES == 16
 #include <immintrin.h>
