@@ -24,9 +24,10 @@
    A multiply-add waits ~4 cycles for the one before it into the same sum, so more sums keep more
    of them in flight. Together with widening bfloat16 activations once per call, it made the
    bfloat16 step's matmuls 1.13-1.20x faster at 2-4 tokens and beat oneDNN at 5 (bench_gemm
-   --baseline-ref, 2-core Zen 5); at one token they were level, float32 too (bench_decode: 1.00x). Every token's sums are taken in this
-   order whichever tile it is in, so a row's output has the same bits at any M. Measured with
-   AVX-512 only; with AVX2's 16 vector registers a four-token tile's 16 sums do not all fit. */
+   --baseline-ref, 2-core Zen 5); at one token they were level, float32 too (bench_decode:
+   1.00x). Every token's sums are taken in this order whichever tile it is in, so a row's output
+   has the same bits at any M. Measured with AVX-512 only; with AVX2's 16 vector registers a
+   four-token tile's 16 sums do not all fit. */
 #define ACCUMULATORS 4
 #define GROUP (ACCUMULATORS * LANES)
 
