@@ -60,11 +60,12 @@ def library(ref: str | None, workdir: str) -> dict[tuple[str, torch.dtype | None
 
 
 def build(ref: str | None, dtype: torch.dtype, workdir: str) -> dict[str, Kernel]:
-    """{"cpu_gemv": ..., "cpu_gemm": ..., "cpu_gemm_packed": ...} (the gemms for float32 only,
-    the packed one where the build has it) from `library(ref, ...)`, called as the engine calls
-    them (`cpu_kernels.linear_with`)."""
+    """{"cpu_gemv": ..., "cpu_gemm": ..., "cpu_gemm_packed": ...} (each gemm where the build has
+    it for `dtype`: the tiled one in bfloat16 with AVX512-BF16 since 2026-11-28, the packed one
+    in float32) from `library(ref, ...)`, called as the engine calls them
+    (`cpu_kernels.linear_with`)."""
     kernels = library(ref, workdir)
-    names = ("gemv", "gemm") if dtype == torch.float32 else ("gemv",)
+    names = [n for n in ("gemv", "gemm") if (n, dtype) in kernels]
     built = {f"cpu_{n}": Kernel(functools.partial(linear_with, kernels[n, dtype])) for n in names}
     if ("gemm_packed", dtype) in kernels:  # since 2026-11-27
         gemm = functools.partial(linear_with, kernels["gemm_packed", dtype])

@@ -1,9 +1,10 @@
 """CPU matmul kernels on the projection shapes of the default model (SmolLM2-135M), in one run:
 `F.linear` (MKL's sgemm), oneDNN's linear (`mkldnn._linear_pointwise`), our gemv (`cpu_gemv.c`),
-our tiled gemm (`cpu_gemm.c`, float32) and our gemm on packed weights (`cpu_gemm_packed.c`,
-float32), at decode-sized and prefill-sized token counts. For float32 `linear` uses the packed
-gemm up to `cpu_kernels.max_gemm_packed_tokens` rows and the tiled one up to `max_gemm_tokens`;
-for bfloat16 the gemv up to `max_gemv_tokens`; then MKL (float32 on Intel CPUs) or oneDNN. After
+our tiled gemm (`cpu_gemm.c`: float32, and bfloat16 where the CPU has AVX512-BF16) and our gemm
+on packed weights (`cpu_gemm_packed.c`, float32), at decode-sized and prefill-sized token counts.
+For float32 `linear` uses the packed gemm up to `cpu_kernels.max_gemm_packed_tokens` rows and the
+tiled one up to `max_gemm_tokens`; for bfloat16 the gemv up to `max_gemv_tokens`, then the tiled
+gemm up to `max_gemm_tokens`; then MKL (float32 on Intel CPUs) or oneDNN. After
 each token count, one line sums a whole SmolLM2 step: 30 layers of the four projections plus the
 LM head.
 
@@ -62,7 +63,7 @@ NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
 def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
     """The kernels this row count and dtype are measured with."""
-    gemm = args.gemm_max_tokens if args.dtype == "float32" else 0  # float32 only
+    gemm = args.gemm_max_tokens
     limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": gemm, "cpu_gemm_packed": gemm}
     return [k for k in KERNELS if tokens <= limits.get(k.split("@")[0], tokens)]
 

@@ -8,6 +8,7 @@ import ctypes
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,49 @@ def test_gemm_matches_f_linear(rows, in_features, with_bias):
     torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4)
 
 
+needs_bf16_gemm = pytest.mark.skipif(
+    not cpu_kernels.max_gemm_tokens(torch.bfloat16), reason="no AVX512-BF16 on this CPU"
+)
+
+
+def _dot_pairs_in_order(x, weight, bias):
+    """The bfloat16 gemm's arithmetic written out in float32: per output one sum over the pairs
+    of k in order, adding the odd k's exact product, then the even one's, rounding each sum."""
+    xs, ws = x.float().numpy(), weight.float().numpy()
+    acc = np.zeros((x.shape[0], weight.shape[0]), dtype=np.float32)
+    for k in range(0, x.shape[1], 2):
+        for j in (k + 1, k):
+            acc = (acc + np.outer(xs[:, j], ws[:, j])).astype(np.float32)
+    if bias is not None:
+        acc = (acc + bias.float().numpy()).astype(np.float32)
+    return torch.from_numpy(acc).to(torch.bfloat16)
+
+
+# The float32 gemm's panels and tiles (above) with bfloat16 pairs along k: even K only.
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 48, 49, 64, 100])
+@pytest.mark.parametrize("in_features", [2, 38, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_gemm_sums_each_output_in_pairs_of_k_in_order(rows, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(33, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(33, generator=generator).to(torch.bfloat16) if with_bias else None
+    out = cpu_kernels.gemm(x, weight, bias)
+    assert out.shape == (rows, 33) and out.dtype == torch.bfloat16
+    assert torch.equal(out, _dot_pairs_in_order(x, weight, bias))
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_bf16_gemm
+def test_bfloat16_gemm_nan_stays_nan_and_odd_k_is_not_its_to_take():
+    x = torch.tensor([[float("nan"), 1.0]] * 7, dtype=torch.bfloat16)
+    assert torch.isnan(cpu_kernels.gemm(x, torch.ones(3, 2, dtype=torch.bfloat16))).all()
+    assert cpu_kernels.max_gemm_tokens(torch.bfloat16, 37) == 0
+    assert max_kernel_tokens(torch.bfloat16, 37) == cpu_kernels.max_gemv_tokens(torch.bfloat16)
+
+
 # Blocks of 8 tokens with AVX-512 (4 otherwise): below, at and past one, and many; panels of 48
 # outputs (24 otherwise): a partial one alone (33) and after full ones (97, and 48 + 24 without
 # AVX-512); k with and without a vector tail.
@@ -90,6 +134,11 @@ def test_gemm_rows_do_not_depend_on_the_batch():
         for row in (0, 17, 63):
             alone = gemm(x[row : row + 1], w, 40) if w is packed else gemm(x[row : row + 1], w)
             assert torch.equal(alone[0], batched[row])
+    if cpu_kernels.max_gemm_tokens(torch.bfloat16):
+        x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+        batched = cpu_kernels.gemm(x, weight)
+        for row in (0, 17, 63):
+            assert torch.equal(cpu_kernels.gemm(x[row : row + 1], weight)[0], batched[row])
 
 
 def test_packed_weights_are_panels_of_outputs_k_major_zero_padded():
@@ -148,16 +197,23 @@ def test_linear_sends_decode_sized_inputs_to_the_kernels_and_larger_ones_elsewhe
                 assert torch.equal(out, cpu_kernels.gemm_packed(x, packed, 24))
             assert torch.equal(out, cpu_kernels.gemm(x, weight))
             assert torch.equal(linear(x, weight), out)
-        # bfloat16: the gemv, up to max_gemv_tokens.
+        # bfloat16: the gemv up to max_gemv_tokens, then the gemm (AVX512-BF16) up to its limit.
         w = weight.to(torch.bfloat16)
-        for rows in (1, cpu_kernels.max_gemv_tokens(torch.bfloat16)):
+        most_gemv = cpu_kernels.max_gemv_tokens(torch.bfloat16)
+        for rows in (1, most_gemv):
             x = torch.randn(rows, 40).to(torch.bfloat16)
             assert torch.equal(linear(x, w), cpu_kernels.gemv(x, w))
-        # Past the kernels: MKL (F.linear) for float32 on Intel CPUs, else oneDNN.
+        most_bf16 = cpu_kernels.max_gemm_tokens(torch.bfloat16)
+        for rows in (most_gemv + 1, most_bf16) if most_bf16 else ():
+            x = torch.randn(rows, 40).to(torch.bfloat16)
+            assert torch.equal(linear(x, w), cpu_kernels.gemm(x, w))
+        # Past the kernels: MKL (F.linear) for float32 on Intel CPUs, else oneDNN; and bfloat16
+        # rows of odd K past the gemv, which the gemm's pairs do not take.
         past = max_kernel_tokens(torch.bfloat16) + 1
         cases = (
             (torch.randn(most + 1, 40), weight, packed),
             (torch.randn(past, 40).to(torch.bfloat16), w, None),
+            (torch.randn(most_gemv + 1, 39).to(torch.bfloat16), w[:, :39].contiguous(), None),
         )
         for x, w, p in cases:
             out = linear(x, w, packed=p)
@@ -190,21 +246,26 @@ def test_without_a_compiler_the_error_says_what_to_install(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize(
-    ("vendor", "flags", "most"),
+    ("vendor", "flags", "most", "most_bf16"),
     [
-        ("GenuineIntel", {"avx512f", "avx2"}, 64),  # measured against MKL on a Xeon
-        ("AuthenticAMD", {"avx512f", "avx2"}, 128),  # measured against oneDNN on Zen 5
-        ("AuthenticAMD", {"avx2"}, 64),  # measured on neither: the Xeon's limit
-        ("", frozenset(), 64),  # /proc/cpuinfo unreadable (or not Linux)
+        ("GenuineIntel", {"avx512f", "avx2"}, 64, 0),  # measured against MKL on a Xeon
+        ("GenuineIntel", {"avx512f", "avx512_bf16"}, 64, 0),  # oneDNN's (AMX), not measured
+        ("AuthenticAMD", {"avx512f", "avx2"}, 128, 0),  # measured against oneDNN on Zen 5
+        ("AuthenticAMD", {"avx512f", "avx512_bf16"}, 128, 128),  # Zen 5's bfloat16 dot product
+        ("AuthenticAMD", {"avx2"}, 64, 0),  # measured on neither: the Xeon's limit
+        ("", frozenset(), 64, 0),  # /proc/cpuinfo unreadable (or not Linux)
     ],
 )
-def test_gemm_row_limit_follows_the_cpu_it_was_measured_on(monkeypatch, vendor, flags, most):
+def test_gemm_row_limit_follows_the_cpu_it_was_measured_on(
+    monkeypatch, vendor, flags, most, most_bf16
+):
     fields = {"vendor_id": vendor, "flags": " ".join(flags)} if vendor else {}
     monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda: fields)
     cpu_kernels._max_gemm_tokens_table.cache_clear()  # chosen once per process
     try:
         assert cpu_kernels.max_gemm_tokens(torch.float32) == most
-        assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == 0  # no bfloat16 gemm
+        built = ("gemm", torch.bfloat16) in cpu_kernel_library.load_kernels()  # by this compiler
+        assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == (most_bf16 if built else 0)
         assert max_kernel_tokens(torch.float32) == most
     finally:
         cpu_kernels._max_gemm_tokens_table.cache_clear()  # the real CPU's, next time

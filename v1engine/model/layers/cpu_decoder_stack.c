@@ -65,8 +65,9 @@ static struct widths widths_of(const struct v1e_decoder_shape *sh)
 
 /* y = x W^T (+ b) by the kernel linear.py picks for M rows, so that the stack's bits are the
    layers': for float32 the gemv up to gemv_max_tokens, the gemm on the packed weight wp up to
-   packed_max_tokens, the tiled gemm on w past it; for bfloat16 the gemv (the Python side sends
-   bfloat16 steps here only up to the rows it takes). Nonzero if the kernel could not allocate. */
+   packed_max_tokens, the tiled gemm on w past it; for bfloat16 the gemv, then the tiled gemm
+   where the CPU has AVX512-BF16 (the Python side sends bfloat16 steps here only up to the rows
+   the two take). Nonzero if the kernel could not allocate. */
 static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const void *w,
                       const void *wp, const void *b, float *y, long M, long N, long K)
 {
@@ -81,7 +82,10 @@ static int matmul_f32(const struct v1e_decoder_shape *sh, const float *x, const 
 static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, const void *w,
                        const void *wp, const void *b, uint16_t *y, long M, long N, long K)
 {
-    (void)sh, (void)wp;
+    (void)wp;
+#if defined(__AVX512BF16__)
+    if (M > sh->gemv_max_tokens) return v1e_gemm_bf16(x, w, b, y, M, N, K);
+#endif
     return v1e_gemv_bf16(x, w, b, y, M, N, K);
 }
 

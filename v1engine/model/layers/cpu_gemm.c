@@ -46,12 +46,36 @@ static const struct geometry NARROW = {8, 3}, WIDE = {6, 4};
 static const struct geometry NARROW = {4, 3}, WIDE = {4, 3};
 #endif
 
-/* ROWS outputs (weight rows `w`, of which `rows` are real) for the `cols` tokens of one panel
-   of VECS vectors; xp is the panel, y the tile's top-left output. */
-#define GEMM_TILE(ROWS, VECS)                                                                  \
-    static void tile_##ROWS##x##VECS(const float *const *w, const float *restrict xp,          \
-                                     float *y, const float *bias, long N, long K, int rows,    \
-                                     int cols)                                                 \
+/* Both element types run one code, on "units": a float32 is one unit, a pair of bfloat16 along k
+   another (32 bits each), so that a token's panel column and a weight's broadcast are 32-bit
+   lanes either way. `madd_S` adds one unit's products into a vector of LANES tokens' sums;
+   `store_S` rounds a sum (+ bias) to the output type. */
+static inline vec madd_f32(vec acc, float weight, vec tokens) { return acc + weight * tokens; }
+static inline float store_f32(float sum, const float *bias, int i)
+{
+    return sum + (bias ? bias[i] : 0.f);
+}
+
+#if defined(__AVX512BF16__)
+/* AVX512-BF16's dot product: per lane, acc += x[k + 1] w[k + 1], then acc += x[k] w[k], each
+   product exact and each sum rounded to float32 (denormal inputs and results read as zero). */
+static inline vec madd_bf16(vec acc, uint32_t weights, vec tokens)
+{
+    return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)tokens,
+                                 (__m512bh)_mm512_set1_epi32((int)weights));
+}
+static inline uint16_t store_bf16(float sum, const uint16_t *bias, int i)
+{
+    return f32_to_bf16(sum + (bias ? bf16_to_f32(bias[i]) : 0.f));
+}
+#endif
+
+/* ROWS outputs (weight rows `w`, of which `rows` are real, K units each) for the `cols` tokens of
+   one panel of VECS vectors; xp is the panel, y the tile's top-left output. */
+#define GEMM_TILE(S, U, T, ROWS, VECS)                                                         \
+    static void tile_##S##_##ROWS##x##VECS(const U *const *w, const uint32_t *restrict xp,     \
+                                           T *y, const T *bias, long N, long K, int rows,      \
+                                           int cols)                                           \
     {                                                                                          \
         vec acc[ROWS][VECS];                                                                   \
         _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++)                                 \
@@ -64,9 +88,9 @@ static const struct geometry NARROW = {4, 3}, WIDE = {4, 3};
             _Pragma("GCC unroll 4") for (int c = 0; c < VECS; c++)                             \
                 tokens[c] = *(const vec *)(xp + k * VECS * LANES + c * LANES);                 \
             _Pragma("GCC unroll 8") for (int i = 0; i < ROWS; i++) {                           \
-                float weight = w[i][k];                                                        \
+                U weight = w[i][k];                                                            \
                 _Pragma("GCC unroll 4") for (int c = 0; c < VECS; c++)                         \
-                    acc[i][c] += weight * tokens[c];                                           \
+                    acc[i][c] = madd_##S(acc[i][c], weight, tokens[c]);                        \
             }                                                                                  \
         }                                                                                      \
         float out[ROWS][VECS * LANES];                                                         \
@@ -74,39 +98,8 @@ static const struct geometry NARROW = {4, 3}, WIDE = {4, 3};
             _Pragma("GCC unroll 4") for (int c = 0; c < VECS; c++)                             \
                 *(vec_unaligned *)&out[i][c * LANES] = acc[i][c];                              \
         for (int j = 0; j < cols; j++)                                                         \
-            for (int i = 0; i < rows; i++) y[j * N + i] = out[i][j] + (bias ? bias[i] : 0.f);  \
+            for (int i = 0; i < rows; i++) y[j * N + i] = store_##S(out[i][j], bias, i);       \
     }
-
-#if LANES == 16
-GEMM_TILE(8, 1)
-GEMM_TILE(8, 2)
-GEMM_TILE(8, 3)
-GEMM_TILE(6, 1)
-GEMM_TILE(6, 2)
-GEMM_TILE(6, 3)
-GEMM_TILE(6, 4)
-#else
-GEMM_TILE(4, 1)
-GEMM_TILE(4, 2)
-GEMM_TILE(4, 3)
-#endif
-
-typedef void (*tile_fn)(const float *const *, const float *, float *, const float *, long, long,
-                        int, int);
-
-/* The tile for `vecs` vectors of tokens in geometry g's rows. */
-static tile_fn tile_for(struct geometry g, long vecs)
-{
-#if LANES == 16
-    static const tile_fn eight[] = {tile_8x1, tile_8x2, tile_8x3}, six[] = {tile_6x1, tile_6x2,
-                                                                           tile_6x3, tile_6x4};
-    return g.rows == 8 ? eight[vecs - 1] : six[vecs - 1];
-#else
-    static const tile_fn four[] = {tile_4x1, tile_4x2, tile_4x3};
-    (void)g;
-    return four[vecs - 1];
-#endif
-}
 
 /* Tokens m0.. go in a panel of `panel`, or of the fewest whole vectors that hold the rest. */
 static long panel_width(long m0, long M, long panel)
@@ -116,26 +109,27 @@ static long panel_width(long m0, long M, long panel)
 }
 
 #if LANES == 16
-/* 16 tokens from x (rows `real` and past: zeros) x k0..k1 (at most 16) -> dst[k][16], row stride
-   `width` floats. */
-static void pack_block(const float *x, float *dst, long K, long real, long k0, long k1, long width)
+/* 16 tokens from x (rows `real` and past: zeros) x units k0..k1 (at most 16) -> dst[k][16], row
+   stride `width` units. */
+static void pack_block(const uint32_t *x, uint32_t *dst, long K, long real, long k0, long k1,
+                       long width)
 {
     __m512 r[16];
     const __mmask16 mask = (__mmask16)((1u << (k1 - k0)) - 1);
     for (int j = 0; j < 16; j++)
         r[j] = j < real ? _mm512_maskz_loadu_ps(mask, x + j * K + k0) : _mm512_setzero_ps();
-    transpose_16x16(r);
-    for (long k = k0; k < k1; k++) _mm512_store_ps(dst + k * width, r[k - k0]);
+    transpose_16x16(r); /* moves bits: a pair of bfloat16 travels as one lane */
+    for (long k = k0; k < k1; k++) _mm512_store_ps((float *)(dst + k * width), r[k - k0]);
 }
 #endif
 
-/* x [M, K] -> one [K][width] panel per panel_width, zero padded, 16 tokens x 16 k at a time.
-   Called inside the parallel region: the threads share the chunks of k. */
-static void pack_tokens(const float *x, float *xp, long M, long K, long panel)
+/* x [M, K units] -> one [K][width] panel per panel_width, zero padded, 16 tokens x 16 units at a
+   time. Called inside the parallel region: the threads share the chunks of k. */
+static void pack_tokens(const uint32_t *x, uint32_t *xp, long M, long K, long panel)
 {
     for (long m0 = 0; m0 < M; m0 += panel) {
         long width = panel_width(m0, M, panel), real = M - m0 < width ? M - m0 : width;
-        float *dst = xp + m0 * K;
+        uint32_t *dst = xp + m0 * K;
 #pragma omp for schedule(static) nowait
         for (long k0 = 0; k0 < K; k0 += 16) {
             long k1 = k0 + 16 < K ? k0 + 16 : K;
@@ -145,45 +139,95 @@ static void pack_tokens(const float *x, float *xp, long M, long K, long panel)
 #else
             for (long j = 0; j < width; j++)
                 for (long k = k0; k < k1; k++)
-                    dst[k * width + j] = j < real ? x[(m0 + j) * K + k] : 0.f;
+                    dst[k * width + j] = j < real ? x[(m0 + j) * K + k] : 0u;
 #endif
         }
     }
 }
 
-/* This thread's share of the tiles: every panel of tokens times `rows` weight rows at a time. */
-static void multiply_tiles(const float *xp, const float *w, const float *b, float *y, long M,
-                           long N, long K, struct geometry g, long panel)
-{
-    long num_tiles = (N + g.rows - 1) / g.rows;
-#pragma omp for schedule(static)
-    for (long t = 0; t < num_tiles; t++) {
-        long n0 = t * g.rows;
-        int rows = N - n0 < g.rows ? (int)(N - n0) : g.rows;
-        const float *w_rows[MAX_ROWS]; /* past N: the last row again, computed and dropped */
-        for (int i = 0; i < g.rows; i++) w_rows[i] = w + (n0 + (i < rows ? i : rows - 1)) * K;
-        for (long m0 = 0; m0 < M; m0 += panel) {
-            long width = panel_width(m0, M, panel);
-            int cols = (int)(M - m0 < width ? M - m0 : width);
-            tile_for(g, width / LANES)(w_rows, xp + m0 * K, y + m0 * N + n0, b ? b + n0 : NULL,
-                                       N, K, rows, cols);
-        }
+/* The tiles, the choice among them, this thread's share of them (every panel of tokens times
+   `rows` weight rows at a time) and the entry point, per element type; K counts units. */
+#if LANES == 16
+#define TILES(S, U, T)                                                                         \
+    GEMM_TILE(S, U, T, 8, 1) GEMM_TILE(S, U, T, 8, 2) GEMM_TILE(S, U, T, 8, 3)                 \
+    GEMM_TILE(S, U, T, 6, 1) GEMM_TILE(S, U, T, 6, 2) GEMM_TILE(S, U, T, 6, 3)                 \
+    GEMM_TILE(S, U, T, 6, 4)                                                                   \
+    typedef void (*tile_fn_##S)(const U *const *, const uint32_t *, T *, const T *, long,      \
+                                long, int, int);                                               \
+    static tile_fn_##S tile_for_##S(struct geometry g, long vecs)                              \
+    {                                                                                          \
+        static const tile_fn_##S eight[] = {tile_##S##_8x1, tile_##S##_8x2, tile_##S##_8x3};   \
+        static const tile_fn_##S six[] = {tile_##S##_6x1, tile_##S##_6x2, tile_##S##_6x3,      \
+                                          tile_##S##_6x4};                                     \
+        return g.rows == 8 ? eight[vecs - 1] : six[vecs - 1];                                  \
     }
-}
+#else
+#define TILES(S, U, T)                                                                         \
+    GEMM_TILE(S, U, T, 4, 1) GEMM_TILE(S, U, T, 4, 2) GEMM_TILE(S, U, T, 4, 3)                 \
+    typedef void (*tile_fn_##S)(const U *const *, const uint32_t *, T *, const T *, long,      \
+                                long, int, int);                                               \
+    static tile_fn_##S tile_for_##S(struct geometry g, long vecs)                              \
+    {                                                                                          \
+        static const tile_fn_##S four[] = {tile_##S##_4x1, tile_##S##_4x2, tile_##S##_4x3};    \
+        (void)g;                                                                               \
+        return four[vecs - 1];                                                                 \
+    }
+#endif
+
+#define GEMM(S, U, T)                                                                          \
+    TILES(S, U, T)                                                                             \
+                                                                                               \
+    static void multiply_tiles_##S(const uint32_t *xp, const U *w, const T *b, T *y, long M,  \
+                                   long N, long K, struct geometry g, long panel)              \
+    {                                                                                          \
+        long num_tiles = (N + g.rows - 1) / g.rows;                                            \
+        _Pragma("omp for schedule(static)") for (long t = 0; t < num_tiles; t++)               \
+        {                                                                                      \
+            long n0 = t * g.rows;                                                              \
+            int rows = N - n0 < g.rows ? (int)(N - n0) : g.rows;                               \
+            const U *w_rows[MAX_ROWS]; /* past N: the last row again, computed and dropped */  \
+            for (int i = 0; i < g.rows; i++) w_rows[i] = w + (n0 + (i < rows ? i : rows - 1)) * K; \
+            for (long m0 = 0; m0 < M; m0 += panel) {                                           \
+                long width = panel_width(m0, M, panel);                                        \
+                int cols = (int)(M - m0 < width ? M - m0 : width);                             \
+                tile_for_##S(g, width / LANES)(w_rows, xp + m0 * K, y + m0 * N + n0,           \
+                                               b ? b + n0 : NULL, N, K, rows, cols);           \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+                                                                                               \
+    static int gemm_##S(const uint32_t *x, const U *w, const T *b, T *y, long M, long N,      \
+                        long K)                                                                \
+    {                                                                                          \
+        const struct geometry g = M > NARROW.vecs * LANES ? WIDE : NARROW;                     \
+        const long panel = g.vecs * LANES, padded = (M + LANES - 1) / LANES * LANES;           \
+        uint32_t *xp = aligned_alloc(64, (padded * K * sizeof(uint32_t) + 63) / 64 * 64);      \
+        if (!xp)                                                                               \
+            return 1;                                                                          \
+        _Pragma("omp parallel")                                                                \
+        {                                                                                      \
+            pack_tokens(x, xp, M, K, panel);                                                   \
+            _Pragma("omp barrier")                                                             \
+            multiply_tiles_##S(xp, w, b, y, M, N, K, g, panel);                                \
+        }                                                                                      \
+        free(xp);                                                                              \
+        return 0;                                                                              \
+    }
+
+GEMM(f32, float, float)
 
 int v1e_gemm_f32(const float *x, const float *w, const float *b, float *y, long M, long N, long K)
 {
-    const struct geometry g = M > NARROW.vecs * LANES ? WIDE : NARROW;
-    const long panel = g.vecs * LANES, padded = (M + LANES - 1) / LANES * LANES;
-    float *xp = aligned_alloc(64, (padded * K * sizeof(float) + 63) / 64 * 64);
-    if (!xp)
-        return 1;
-#pragma omp parallel
-    {
-        pack_tokens(x, xp, M, K, panel);
-#pragma omp barrier
-        multiply_tiles(xp, w, b, y, M, N, K, g, panel);
-    }
-    free(xp);
-    return 0;
+    return gemm_f32((const uint32_t *)x, w, b, y, M, N, K);
 }
+
+#if defined(__AVX512BF16__)
+GEMM(bf16, uint32_t, uint16_t)
+
+/* K must be even (a unit is a pair along k); cpu_kernels.gemm checks it. */
+int v1e_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
+                  long N, long K)
+{
+    return gemm_bf16((const uint32_t *)x, (const uint32_t *)w, b, y, M, N, K / 2);
+}
+#endif

@@ -58,6 +58,8 @@ _TYPED = {
     "rotary": ([_P] * 6 + [_N] * 6, None),
     "silu_and_mul": ([_P] * 2 + [_N] * 2, None),
     "decoder_stack": ([_P, _N] + [_P] * 5, ctypes.c_int),
+    # bfloat16 only where the CPU has AVX512-BF16's dot product (cpu_gemm.c)
+    "gemm": ([_P] * 4 + [_N] * 3, ctypes.c_int),
 }
 _UNTYPED = {
     "write_kv": ([_P] * 5 + [_N] * 4, None),
@@ -66,7 +68,6 @@ _UNTYPED = {
 }
 # Kernels that exist for float32 only (v1e_<name>_f32).
 _FLOAT32 = {
-    "gemm": ([_P] * 4 + [_N] * 3, ctypes.c_int),
     "gemm_packed": ([_P] * 4 + [_N] * 3, None),
     "pack_weight": ([_P] * 2 + [_N] * 2, None),
 }

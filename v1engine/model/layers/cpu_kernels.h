@@ -76,6 +76,10 @@ DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)
 
 int v1e_gemm_f32(const float *x, const float *w, const float *b, float *y, long M, long N, long K);
+#if defined(__AVX512BF16__)
+int v1e_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b, uint16_t *y, long M,
+                  long N, long K);
+#endif
 
 /* cpu_gemm_packed.c: y = x W^T (+ b) on W packed by v1e_pack_weight_f32 into panels of
    v1e_gemm_panel_width() outputs (wp holds that many floats per k per panel, zero padded). */

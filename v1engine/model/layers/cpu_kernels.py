@@ -32,20 +32,31 @@ logger = init_logger(__name__)
 # float32: one row (2-core AVX-512 Xeon), where the engine's decode step took 31.2-32.1 ms against
 # 32.1-32.6 with the packed gemm (scripts/profile_steps.py, three alternating runs); from two rows
 # the packed gemm wins (bench_gemm: 32 vs 34-48 ms for the step's matmuls at 2 to 8 rows).
+# Where the CPU has the bfloat16 gemm (AVX512-BF16, below) the gemv keeps 1-2 rows only: at 3 the
+# gemm took 8.4 ms against 9.9, at 4 8.1-8.6 against 7.9-8.6, at 5 8.3 against 11.4, and at 1
+# and 2 it was slower (8.2 vs 5.0, 8.3 vs 7.0; bench_gemm.py, Zen 5).
 _MAX_GEMV_TOKENS = {torch.float32: 1, torch.bfloat16: 5}
+_MAX_GEMV_TOKENS_BESIDE_BF16_GEMM = 2
 
 
-# Up to this many rows (float32 only) our matmuls beat the library that takes the rows past them
-# (scripts/bench_gemm.py, the SmolLM2 step's matmuls, weights from memory): the gemm on packed
-# weights up to _MAX_GEMM_PACKED_TOKENS, the tiled gemm past it, where the packed one falls behind
-# (cpu_gemm_packed.c has the decode steps' times). Where that is depends on the CPU:
+# Up to this many rows our matmuls beat the library that takes the rows past them
+# (scripts/bench_gemm.py, the SmolLM2 step's matmuls, weights from memory). float32: the gemm on
+# packed weights up to _MAX_GEMM_PACKED_TOKENS, the tiled gemm past it, where the packed one falls
+# behind (cpu_gemm_packed.c has the decode steps' times). Where that is depends on the CPU:
 # - Intel, against MKL and oneDNN (2-core Xeon with AVX-512): 48 vs 71 ms at 16 rows, 58 vs 90 at
 #   32, 90 vs 134 at 48, 105-110 vs 128-132 at 64; level at 80, behind from 96.
 # - Other CPUs with AVX-512, against oneDNN (2-core AMD EPYC, Zen 5; two runs): 59 vs 73-74 ms at
 #   96 rows, 83 vs 90-93 at 128; 137 vs 141 at 192 (one run), behind at 256 (185 vs 178).
 # CPUs measured on neither (AVX2 only, Arm) keep the Xeon's limit.
+# bfloat16: the tiled gemm on AVX512-BF16's dot product (cpu_gemm.c), past the gemv, measured on
+# the Zen 5 only (where it is built: non-Intel CPUs with AVX-512 and that flag) against oneDNN:
+# the step's matmuls and LM head took 9.5 vs 18.2 ms at 16 rows, 25.0 vs 39.6 at 64, 49.1 vs 58.6
+# at 128, 62.5 vs 69.2 at 160 and 73.5 vs 77.1 at 192 (one run each; the limit stays at 128, as
+# float32's, until more runs say where it ends). Intel CPUs with that flag, not measured, keep
+# oneDNN, which has AMX kernels for many of them.
 _MAX_GEMM_TOKENS = {torch.float32: 64}
 _MAX_GEMM_TOKENS_NON_INTEL_AVX512 = {torch.float32: 128}
+_MAX_GEMM_TOKENS_BF16_DOT = {torch.bfloat16: 128}
 _MAX_GEMM_PACKED_TOKENS = {torch.float32: 32}
 
 
@@ -58,18 +69,27 @@ def is_intel_cpu() -> bool:
 def _max_gemm_tokens_table() -> dict[torch.dtype, int]:
     """The limits measured on this kind of CPU, chosen once (`linear` asks every call)."""
     info = cpuinfo()  # empty where unreadable: a CPU measured on neither
-    if info.get("vendor_id") and not is_intel_cpu() and "avx512f" in info.get("flags", "").split():
-        return _MAX_GEMM_TOKENS_NON_INTEL_AVX512
+    flags = info.get("flags", "").split()
+    if info.get("vendor_id") and not is_intel_cpu() and "avx512f" in flags:
+        # (a compiler too old for the flag leaves the kernel out of the library)
+        has_dot = "avx512_bf16" in flags and ("gemm", torch.bfloat16) in (load_kernels() or {})
+        bf16 = _MAX_GEMM_TOKENS_BF16_DOT if has_dot else {}
+        return {**_MAX_GEMM_TOKENS_NON_INTEL_AVX512, **bf16}
     return _MAX_GEMM_TOKENS
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemv` takes for `dtype` inputs (0 for dtypes it has no kernel for)."""
+    if dtype == torch.bfloat16 and _max_gemm_tokens_table().get(dtype):
+        return _MAX_GEMV_TOKENS_BESIDE_BF16_GEMM
     return _MAX_GEMV_TOKENS.get(dtype, 0)
 
 
-def max_gemm_tokens(dtype: torch.dtype) -> int:
-    """The most rows `gemm` is meant for with `dtype` inputs (0: no kernel for this dtype)."""
+def max_gemm_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
+    """The most rows `gemm` is meant for with `dtype` inputs of `in_features` (0: no kernel for
+    them; the bfloat16 gemm reads pairs along k, so it takes an even number only)."""
+    if dtype == torch.bfloat16 and in_features % 2:
+        return 0
     return _max_gemm_tokens_table().get(dtype, 0)
 
 
@@ -141,9 +161,9 @@ def pack_weight(weight: torch.Tensor, kernels: dict | None = None) -> torch.Tens
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for float32 x [..., K] of any number of rows (meant for a few
-    dozen: `max_gemm_tokens`); weight and bias contiguous. Each output row depends only on its
-    own input row."""
+    """`F.linear(x, weight, bias)` for x [..., K] of any number of rows (meant for a few dozen:
+    `max_gemm_tokens`, which also says whether there is a kernel for x's dtype and K); weight and
+    bias contiguous. Each output row depends only on its own input row."""
     return linear_with(kernel("gemm", x.dtype), x, weight, bias)
 
 

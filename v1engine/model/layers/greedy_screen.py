@@ -6,13 +6,15 @@ When every row of a step takes the plain argmax of its logits (greedy, without l
 token masks, penalties or grammar: `SamplingMetadata.argmax_only`), a bfloat16 copy of the head
 screens the vocabulary and the float32 weights decide among the few rows it cannot rule out:
 
-1. approximate logits a = bf16(h) bf16(W)^T: our gemv, float32 sums, the result rounded to bf16;
+1. approximate logits a = bf16(h) bf16(W)^T: our gemv or bfloat16 gemm, float32 sums, the result
+   rounded to bf16;
 2. each |a_r - z_r| <= B_r, z being the float32 logits, with u = 2^-8 (bfloat16's unit
    roundoff, rounding to nearest), B_r = P |h| + u |a_r| and
    P = (2u + u^2 + 2 K 2^-24 (1 + 2u)) max_r |W_r|: the two rounded factors put each product
    within (2u + u^2) of |W_ri h_i|, Cauchy-Schwarz bounds the sum of those by the norms, the
    float32 sums of K products (a's and z's) add K 2^-24 of it each, and rounding a to bfloat16
-   adds u |a_r|;
+   adds u |a_r| (the bfloat16 gemm, AVX512-BF16, also reads denormals as zero: at most K 2^-126
+   more, inside the slack unless every logit is itself near float32's smallest normal);
 3. the argmax t of z has a_t + B_t >= z_t >= z_m >= a_m - B_m, m being a's argmax, so
    a_t + u |a_t| >= max(a) - u |max(a)| - 2 P |h|. The left side grows with a_t: the rows above
    one threshold hold t, and the float32 logits of those rows pick it (the first on a tie, as
@@ -38,13 +40,16 @@ import torch
 from torch import nn
 
 from v1engine.model.layers import cpu_kernels
-from v1engine.model.layers.linear import ParallelLMHead, kernels_apply
+from v1engine.model.layers.linear import ParallelLMHead, kernels_apply, linear
 from v1engine.model.parallel_state import get_tp_world_size
 
 _UNIT_ROUNDOFF_BF16 = 2.0**-8
 _UNIT_ROUNDOFF_FP32 = 2.0**-24
 # Past this many candidate rows the gathered float32 rows cost more than the screen saves.
 MAX_CANDIDATES = 4096
+# The screen's passes over the approximate logits run on one thread, in numpy: at a few rows they
+# cost microseconds, at dozens they would cost more than the float32 head (measured up to 5).
+MAX_ROWS = 5
 # The norms and the bound's own float32 arithmetic are off by far less than this share of it.
 _SLACK = 1.001
 
@@ -77,15 +82,16 @@ class GreedyScreen:
 
     @staticmethod
     def applies(num_rows: int) -> bool:
-        """Whether a step of `num_rows` sampling rows reads the head as a stream (our gemv)."""
-        return 0 < num_rows <= cpu_kernels.max_gemv_tokens(torch.bfloat16)
+        """Whether a step of `num_rows` sampling rows reads the head as a stream (decode steps
+        of up to MAX_ROWS requests)."""
+        return 0 < num_rows <= MAX_ROWS
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_rows] int64: each row's argmax of hidden [num_rows, hidden_size] @ weight^T, or
         None where the screen cannot decide cheaply: more than MAX_CANDIDATES rows stay in
         doubt, or the logits are not finite."""
         approx = _bf16_as_float32(
-            cpu_kernels.gemv(hidden.to(torch.bfloat16), self.weight_bf16)
+            linear(hidden.to(torch.bfloat16), self.weight_bf16)  # our gemv or bfloat16 gemm
         )  # [num_rows, vocab_size]
         high = approx.max(axis=1, keepdims=True).astype(np.float64)
         hidden_norms = torch.linalg.vector_norm(hidden, dim=1, keepdim=True).double().numpy()

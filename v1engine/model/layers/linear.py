@@ -184,7 +184,7 @@ class RowParallelLinear(LinearBase):
 # `cpu_gemm_packed.c` up to `cpu_kernels.max_gemm_packed_tokens` rows, on the weight packed once
 # after loading (`pack_cpu_weights`), then the tiled `cpu_gemm.c` up to `max_gemm_tokens` on the
 # plain weight (the two gemms give the same bits); bfloat16: `cpu_gemv.c` up to
-# `max_gemv_tokens`. Larger inputs go
+# `max_gemv_tokens`, then `cpu_gemm.c` where the CPU has AVX512-BF16. Larger inputs go
 # through oneDNN's linear (`mkldnn._linear_pointwise`, the op torch's own CPU compiler emits for
 # linear layers), except float32 on Intel CPUs, where MKL's sgemm is the faster of the two
 # (2-core Xeon with AVX-512, the SmolLM2 step's matmuls: 3-4% at 128-512 rows, 10-14% at
@@ -204,7 +204,7 @@ def linear(
         return F.linear(x, weight, bias)
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if 0 < rows <= max_kernel_tokens(x.dtype) and kernels_apply(weight, bias):
+    if 0 < rows <= max_kernel_tokens(x.dtype, x.shape[-1]) and kernels_apply(weight, bias):
         if rows <= cpu_kernels.max_gemv_tokens(x.dtype):
             return cpu_kernels.gemv(x, weight, bias)
         if packed is not None and rows <= cpu_kernels.max_gemm_packed_tokens(x.dtype):
@@ -255,9 +255,10 @@ def _packs(weight: torch.Tensor) -> bool:
     )
 
 
-def max_kernel_tokens(dtype: torch.dtype) -> int:
-    """The most rows our CPU matmul kernels take for `dtype` (gemv, then gemm past it)."""
-    return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype))
+def max_kernel_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
+    """The most rows our CPU matmul kernels take for `dtype` inputs of `in_features` (gemv, then
+    gemm past it)."""
+    return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype, in_features))
 
 
 def kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -6,9 +6,9 @@ dispatch is still several percent of a step. `LlamaModel.forward` hands such ste
 which runs the same kernels in the same order in C (the matmul kernel `linear` picks for the row
 count included), so the hidden states are bit-identical to the layer-by-layer forward
 (`tests/model/test_decode_stack.py`). It applies to steps of at most `linear.max_kernel_tokens`
-rows without padding (decodes, or decodes and a few prompt tokens) that the CPU attention backend
-planned (`CpuAttentionMetadata` for every KV cache group), at tensor-parallel size 1, with KV
-caches of the model's dtype; every other step runs the layers.
+rows (for every matmul's width) without padding (decodes, or decodes and a few prompt tokens)
+that the CPU attention backend planned (`CpuAttentionMetadata` for every KV cache group), at
+tensor-parallel size 1, with KV caches of the model's dtype; every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ class LlamaDecodeStack:
             cpu_kernels.max_gemv_tokens(model.norm.weight.dtype),
             cpu_kernels.max_gemm_packed_tokens(model.norm.weight.dtype),
         )
+        # The most rows every matmul's kernel takes (the bfloat16 gemm needs an even K).
+        widths = (self._shape.hidden, attention.num_heads * attention.head_size)
+        self._max_tokens = min(
+            max_kernel_tokens(model.norm.weight.dtype, k)
+            for k in (*widths, self._shape.intermediate)
+        )
         # The layer table holds raw pointers to weights and caches, so it keeps the caches it
         # was built from, and is rebuilt when a layer's cache is rebound.
         self._caches: list[object] = []
@@ -98,7 +104,7 @@ class LlamaDecodeStack:
         metadata = get_forward_context().attn_metadata
         return (
             metadata is not None
-            and hidden.shape[0] <= max_kernel_tokens(hidden.dtype)
+            and hidden.shape[0] <= self._max_tokens
             and all(
                 isinstance(m, CpuAttentionMetadata) and m.num_rows == hidden.shape[0]
                 for m in metadata
