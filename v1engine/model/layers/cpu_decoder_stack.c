@@ -85,6 +85,8 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     (void)wp;
 #if defined(__AVX512BF16__)
     if (M > sh->gemv_max_tokens) return v1e_gemm_bf16(x, w, b, y, M, N, K);
+#else
+    (void)sh;
 #endif
     return v1e_gemv_bf16(x, w, b, y, M, N, K);
 }

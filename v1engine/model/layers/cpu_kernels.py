@@ -2,10 +2,10 @@
 tokens (float32: `cpu_gemv.c` for one, `cpu_gemm_packed.c` on weights packed at load time, then
 the tiled `cpu_gemm.c`; bfloat16: `cpu_gemv.c`, then `cpu_gemm.c` on CPUs with AVX512-BF16),
 paged attention and its K/V write (`cpu_paged_attention.c`), RMSNorm with its residual add
-(`cpu_rms_norm.c`), rotary embedding and SiLU-and-mul (`cpu_elementwise.c`). At decode sizes torch and oneDNN run each of these several
-times slower: the matmuls read the weights at half the memory bandwidth or less (or, at a few
-dozen tokens, reach half their prefill GFLOP/s), the small ops are several dispatches each
-(`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
+(`cpu_rms_norm.c`), rotary embedding and SiLU-and-mul (`cpu_elementwise.c`). At decode sizes
+torch and oneDNN run each of these several times slower: the matmuls read the weights at half
+the memory bandwidth or less (or, at a few dozen tokens, reach half their prefill GFLOP/s), the
+small ops are several dispatches each (`scripts/bench_gemm.py`, `scripts/profile_steps.py`).
 
 The library is built on first use (`cpu_kernel_library.py`) and checked against torch once per
 process (`cpu_kernel_probe.py`); callers ask `applies(...)` and otherwise stay on torch/oneDNN.
