@@ -51,9 +51,9 @@ _MAX_GEMV_TOKENS_BESIDE_BF16_GEMM = 2
 # bfloat16: the tiled gemm on AVX512-BF16's dot product (cpu_gemm.c), past the gemv, measured on
 # the Zen 5 only (where it is built: non-Intel CPUs with AVX-512 and that flag) against oneDNN:
 # the step's matmuls and LM head took 9.5 vs 18.2 ms at 16 rows, 25.0 vs 39.6 at 64, 49.1 vs 58.6
-# at 128, 62.5 vs 69.2 at 160 and 73.5 vs 77.1 at 192 (one run each; the limit stays at 128, as
-# float32's, until more runs say where it ends). Intel CPUs with that flag, not measured, keep
-# oneDNN, which has AMX kernels for many of them.
+# at 128, 62.5 vs 69.2 at 160 and 73.5 vs 77.1 at 192; a second run had 128 level (45.6 vs 46.5)
+# and 160 and 192 behind (57.0 vs 54.5, 67.0 vs 62.1), so the limit is 128. Intel CPUs with that
+# flag, not measured, keep oneDNN, which has AMX kernels for many of them.
 _MAX_GEMM_TOKENS = {torch.float32: 64}
 _MAX_GEMM_TOKENS_NON_INTEL_AVX512 = {torch.float32: 128}
 _MAX_GEMM_TOKENS_BF16_DOT = {torch.bfloat16: 128}
