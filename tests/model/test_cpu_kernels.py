@@ -98,6 +98,9 @@ def test_bfloat16_gemm_nan_stays_nan_and_odd_k_is_not_its_to_take():
     x = torch.tensor([[float("nan"), 1.0]] * 7, dtype=torch.bfloat16)
     assert torch.isnan(cpu_kernels.gemm(x, torch.ones(3, 2, dtype=torch.bfloat16))).all()
     assert cpu_kernels.max_gemm_tokens(torch.bfloat16, 37) == 0
+    odd = torch.ones(7, 37, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features must be even, got 37"):
+        cpu_kernels.gemm(odd, torch.ones(3, 37, dtype=torch.bfloat16))
     assert max_kernel_tokens(torch.bfloat16, 37) == cpu_kernels.max_gemv_tokens(torch.bfloat16)
 
 

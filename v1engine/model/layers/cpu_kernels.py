@@ -164,6 +164,11 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """`F.linear(x, weight, bias)` for x [..., K] of any number of rows (meant for a few dozen:
     `max_gemm_tokens`, which also says whether there is a kernel for x's dtype and K); weight and
     bias contiguous. Each output row depends only on its own input row."""
+    if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
+        raise ValueError(
+            f"the bfloat16 gemm reads pairs along k, so in_features must be even, got "
+            f"{x.shape[-1]}; call linear(), which sends odd widths to oneDNN"
+        )
     return linear_with(kernel("gemm", x.dtype), x, weight, bias)
 
 
