@@ -264,14 +264,14 @@ def test_gemm_row_limit_follows_the_cpu_it_was_measured_on(
 ):
     fields = {"vendor_id": vendor, "flags": " ".join(flags)} if vendor else {}
     monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda: fields)
-    cpu_kernels._max_gemm_tokens_table.cache_clear()  # chosen once per process
+    cpu_kernels._row_limits.cache_clear()  # chosen once per process
     try:
         assert cpu_kernels.max_gemm_tokens(torch.float32) == most
         built = ("gemm", torch.bfloat16) in cpu_kernel_library.load_kernels()  # by this compiler
         assert cpu_kernels.max_gemm_tokens(torch.bfloat16) == (most_bf16 if built else 0)
         assert max_kernel_tokens(torch.float32) == most
     finally:
-        cpu_kernels._max_gemm_tokens_table.cache_clear()  # the real CPU's, next time
+        cpu_kernels._row_limits.cache_clear()  # the real CPU's, next time
 
 
 def _mapped_file(address: int) -> str:

@@ -66,23 +66,25 @@ def is_intel_cpu() -> bool:
 
 
 @functools.cache
-def _max_gemm_tokens_table() -> dict[torch.dtype, int]:
-    """The limits measured on this kind of CPU, chosen once (`linear` asks every call)."""
+def _row_limits() -> dict[tuple[str, torch.dtype], int]:
+    """(kernel, dtype) -> the most rows it takes, as measured on this kind of CPU; chosen once
+    (`linear` asks every call)."""
     info = cpuinfo()  # empty where unreadable: a CPU measured on neither
     flags = info.get("flags", "").split()
+    gemv, gemm = dict(_MAX_GEMV_TOKENS), _MAX_GEMM_TOKENS
     if info.get("vendor_id") and not is_intel_cpu() and "avx512f" in flags:
+        gemm = dict(_MAX_GEMM_TOKENS_NON_INTEL_AVX512)
         # (a compiler too old for the flag leaves the kernel out of the library)
-        has_dot = "avx512_bf16" in flags and ("gemm", torch.bfloat16) in (load_kernels() or {})
-        bf16 = _MAX_GEMM_TOKENS_BF16_DOT if has_dot else {}
-        return {**_MAX_GEMM_TOKENS_NON_INTEL_AVX512, **bf16}
-    return _MAX_GEMM_TOKENS
+        if "avx512_bf16" in flags and ("gemm", torch.bfloat16) in (load_kernels() or {}):
+            gemm.update(_MAX_GEMM_TOKENS_BF16_DOT)
+            gemv[torch.bfloat16] = _MAX_GEMV_TOKENS_BESIDE_BF16_GEMM
+    limits = {("gemv", dtype): n for dtype, n in gemv.items()}
+    return limits | {("gemm", dtype): n for dtype, n in gemm.items()}
 
 
 def max_gemv_tokens(dtype: torch.dtype) -> int:
     """The most rows `gemv` takes for `dtype` inputs (0 for dtypes it has no kernel for)."""
-    if dtype == torch.bfloat16 and _max_gemm_tokens_table().get(dtype):
-        return _MAX_GEMV_TOKENS_BESIDE_BF16_GEMM
-    return _MAX_GEMV_TOKENS.get(dtype, 0)
+    return _row_limits().get(("gemv", dtype), 0)
 
 
 def max_gemm_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
@@ -90,7 +92,7 @@ def max_gemm_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
     them; the bfloat16 gemm reads pairs along k, so it takes an even number only)."""
     if dtype == torch.bfloat16 and in_features % 2:
         return 0
-    return _max_gemm_tokens_table().get(dtype, 0)
+    return _row_limits().get(("gemm", dtype), 0)
 
 
 def max_gemm_packed_tokens(dtype: torch.dtype) -> int:
