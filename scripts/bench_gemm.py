@@ -63,7 +63,7 @@ NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
 def kernels_for(args: argparse.Namespace, tokens: int) -> list[str]:
     """The kernels this row count and dtype are measured with."""
-    gemm = args.gemm_max_tokens
+    gemm = args.gemm_max_tokens  # both gemms; a dtype's build lacks those it has no kernel for
     limits = {"cpu_gemv": args.gemv_max_tokens, "cpu_gemm": gemm, "cpu_gemm_packed": gemm}
     return [k for k in KERNELS if tokens <= limits.get(k.split("@")[0], tokens)]
 
