@@ -10,7 +10,8 @@ ignored; tokens per second of the whole call, prefill included). A pair runs bot
 alternating order from pair to pair. On these shared VMs the memory's read speed changes state
 within minutes, so the figure to compare is the median over pairs of each pair's ratio (current
 / baseline); every run also records the read bandwidth on every core right after it, and whether
-both variants gave the same tokens.
+both variants gave the same tokens. `--busy` runs every variant (its start-up included) with one
+busy process per core competing, as on a machine whose cores are shared.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import subprocess
 import sys
 from typing import Any
 
-from _bench_utils import REPO, checkout_env, cpu_machine_info, read_bandwidth_gb_s, worktree
+from _bench_utils import (
+    REPO,
+    busy_cores,
+    checkout_env,
+    cpu_machine_info,
+    read_bandwidth_gb_s,
+    worktree,
+)
 
 _TIMEOUT_S = 1800
 
@@ -63,10 +71,11 @@ if __name__ == "__main__":
 def run_variant(root: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, "-c", _CHILD, args.dtype, args.batch_sizes]
     command += [str(args.prompt_len), str(args.output_len), str(args.repeats)]
-    done = subprocess.run(
-        command, cwd=root, env=checkout_env(root), capture_output=True, text=True,
-        timeout=_TIMEOUT_S,
-    )  # fmt: skip
+    with busy_cores(args.busy):
+        done = subprocess.run(
+            command, cwd=root, env=checkout_env(root), capture_output=True, text=True,
+            timeout=_TIMEOUT_S,
+        )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"the decode run in {root} failed:\n{done.stderr[-3000:]}")
     results = json.loads(done.stdout.strip().splitlines()[-1])
@@ -127,6 +136,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed generate calls per run")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--baseline-ref", default=None, help="git ref measured alongside")
+    p.add_argument("--busy", action="store_true", help="one busy process per core in every run")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     with worktree(args.baseline_ref) as baseline:

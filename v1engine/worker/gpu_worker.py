@@ -21,6 +21,7 @@ from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
+from v1engine.worker.cpu_threads import CpuThreadGovernor, cpu_thread_governor, init_cpu_threads
 from v1engine.worker.gpu_model_runner import GPUModelRunner
 from v1engine.worker.kv_cache import kv_cache_spec_from_config
 from v1engine.worker.memory import (
@@ -58,6 +59,7 @@ class Worker(WorkerBase):
         self.device: torch.device | None = None
         self.model_runner: GPUModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
+        self.cpu_threads: CpuThreadGovernor | None = None
 
     # -- start-up -------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -78,7 +80,7 @@ class Worker(WorkerBase):
             self.device = _init_cuda_device(self.local_rank, world_size)
         else:
             self.device = torch.device("cpu")
-            _init_cpu_threads(self.local_rank, local_world_size(world_size))
+            init_cpu_threads(self.local_rank, local_world_size(world_size))
             tune_malloc_for_tensors()
         check_dtype_supported(
             resolve_dtype(hf_config, model_config.dtype, device_type), self.device
@@ -166,9 +168,13 @@ class Worker(WorkerBase):
                 )
         # The warm-up drew random numbers; restart so unseeded sampling follows the seed alone.
         torch.manual_seed(self.config.model_config.seed)
+        if self.device.type == "cpu":  # the thread count is final here, a subclass's included
+            self.cpu_threads = cpu_thread_governor()
 
     # -- serving --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step(scheduler_output.total_num_scheduled_tokens)
         return self.model_runner.execute_model(scheduler_output)
 
     def check_health(self) -> None:
@@ -227,22 +233,3 @@ LOCAL_WORLD_SIZE_ENV = "V1ENGINE_LOCAL_WORLD_SIZE"
 def local_world_size(world_size: int) -> int:
     """Ranks on this node: what the executor set in LOCAL_WORLD_SIZE_ENV, else all of them."""
     return int(os.environ.get(LOCAL_WORLD_SIZE_ENV, world_size))
-
-
-def _init_cpu_threads(local_rank: int, local_world_size: int) -> None:
-    """Splits this process's cores between the local workers: a disjoint, equal set pinned per
-    rank when there are enough cores, otherwise an equal thread count on shared cores, so
-    N ranks never run N x cpu_count threads that fight over the same cores."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per_rank = len(cpus) // local_world_size
-    if local_world_size > 1 and per_rank >= 1:
-        own = cpus[local_rank * per_rank : (local_rank + 1) * per_rank]
-        os.sched_setaffinity(0, own)
-    torch.set_num_threads(max(1, per_rank))
-    info_once(
-        logger,
-        "CPU worker: %d thread(s) per rank over %d core(s)%s",
-        max(1, per_rank),
-        len(cpus),
-        ", pinned per rank" if local_world_size > 1 and per_rank >= 1 else "",
-    )

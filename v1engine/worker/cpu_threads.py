@@ -1,0 +1,185 @@
+"""How many threads a CPU worker computes with: its share of the cores at start-up, and fewer
+for small steps while other processes compete for those cores.
+
+A step's parallel work (matmuls, attention) splits evenly over the worker's threads and ends in
+a barrier, so a step runs at the pace of its slowest thread. When another busy process shares a
+core, the thread on that core is descheduled for a time slice (milliseconds) at a time while
+its peers wait for it at the barrier, and a batch-1 decode step starts over a hundred such
+splits. Measured with `scripts/profile_steps.py --busy` (one busy process per core, 2 cores,
+float32, default model): a batch-1 decode step took 50.7 ms with 2 threads and 24.8 ms with 1
+(13.4 ms with 2 on the quiet machine); 16 requests 59.5 and 47.0 ms; 64 requests 148 and 156
+ms; a prefill of 64 prompts 1.98 and 2.69 s. So under contention small steps run on one thread
+and large ones keep them all.
+
+Contention is read from the kernel's scheduler statistics (/proc/self/task/*/schedstat: per
+thread, the time it ran and the time it waited, runnable, for a CPU): over a window of steps, if
+some busy thread of this worker spent more than a quarter of its runnable time waiting, the
+cores are shared. On a quiet machine a thread barely waits. Back on all threads is tried once
+the waits fall; if contention returns at once, the next try waits twice as long.
+`V1ENGINE_CPU_ADAPTIVE_THREADS=0` keeps every step on all threads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from v1engine.logger import info_once, init_logger
+
+logger = init_logger(__name__)
+
+ADAPTIVE_ENV = "V1ENGINE_CPU_ADAPTIVE_THREADS"
+# Steps of up to this many tokens run on one thread while the cores are shared (see above: 16
+# requests gained, 64 were level, a prefill lost).
+CONTENDED_MAX_TOKENS = 32
+# Decisions are made over windows of at least this long and this much runnable thread time.
+WINDOW_S = 0.2
+MIN_RUNNABLE_S = 0.02
+# Waiting for a CPU above this share of a thread's runnable time means the cores are shared;
+# all threads are tried again only once every thread waits less than the lower share.
+CONTENDED_WAIT_SHARE = 0.25
+QUIET_WAIT_SHARE = 0.10
+# How long one thread is kept before all are tried again, doubling while each try meets
+# contention at once, up to the maximum.
+MIN_HOLD_S = 0.5
+MAX_HOLD_S = 16.0
+
+# thread id -> (ns running, ns waiting runnable); None where the kernel keeps no schedstat.
+SchedStats = dict[str, tuple[int, int]]
+
+
+def read_thread_schedstats(task_dir: str = "/proc/self/task") -> SchedStats | None:
+    """Per thread of this process, the nanoseconds it ran and waited runnable, or None where
+    /proc has no schedstat (a kernel without CONFIG_SCHED_INFO, or no /proc)."""
+    stats: SchedStats = {}
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+        except FileNotFoundError:  # the thread ended since the listing
+            continue
+        except (OSError, ValueError):
+            return None
+        stats[tid] = (int(ran), int(waited))
+    return stats
+
+
+def wait_share(before: SchedStats, after: SchedStats, min_runnable_ns: int) -> tuple[float, int]:
+    """Between two readings: the largest share of runnable time spent waiting for a CPU among
+    the threads runnable for at least `min_runnable_ns` (0.0 if none was), and the runnable
+    nanoseconds of all threads in `after` together."""
+    share, total = 0.0, 0
+    for tid, (ran, waited) in after.items():
+        ran0, waited0 = before.get(tid, (0, 0))
+        runnable = (ran - ran0) + (waited - waited0)
+        total += runnable
+        if runnable >= min_runnable_ns:
+            share = max(share, (waited - waited0) / runnable)
+    return share, total
+
+
+class CpuThreadGovernor:
+    """Chooses each step's thread count: all of `full_threads`, or one for small steps while
+    the cores are shared. `before_step` is called by the worker before every step."""
+
+    def __init__(
+        self,
+        full_threads: int,
+        read_stats: Callable[[], SchedStats | None] = read_thread_schedstats,
+        clock: Callable[[], float] = time.monotonic,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ) -> None:
+        self.full_threads = full_threads
+        self.contended = False
+        self._read_stats, self._clock, self._set_threads = read_stats, clock, set_threads
+        self._threads = full_threads
+        self._stats = read_stats()
+        self._window_start = clock()
+        self._hold_s = MIN_HOLD_S
+        self._changed_at = float("-inf")
+        self._told = False  # the first switch to one thread is logged at INFO, later ones at DEBUG
+
+    @property
+    def active(self) -> bool:
+        return self.full_threads > 1 and self._stats is not None
+
+    def before_step(self, num_tokens: int) -> None:
+        """Sets the thread count for a step of `num_tokens` tokens."""
+        if not self.active:
+            return
+        now = self._clock()
+        if now - self._window_start >= WINDOW_S:
+            self._end_window(now)
+        small = num_tokens <= CONTENDED_MAX_TOKENS
+        threads = 1 if self.contended and small else self.full_threads
+        if threads != self._threads:
+            self._set_threads(threads)
+            self._threads = threads
+
+    def _end_window(self, now: float) -> None:
+        stats = self._read_stats()
+        if stats is None:  # /proc went away: this step goes back to all threads, for good
+            self._stats, self.contended = None, False
+            return
+        share, runnable = wait_share(self._stats, stats, int(MIN_RUNNABLE_S * 1e9))
+        if runnable < MIN_RUNNABLE_S * 1e9:  # too little ran to tell: widen the window
+            return
+        self._stats, self._window_start = stats, now
+        if not self.contended and share > CONTENDED_WAIT_SHARE:
+            # Contention back within two windows of trying all threads: wait longer next time.
+            quick = now - self._changed_at <= 2 * WINDOW_S + 1e-9
+            self._hold_s = min(2 * self._hold_s, MAX_HOLD_S) if quick else MIN_HOLD_S
+            self._switch(True, now, share)
+        elif self.contended and share < QUIET_WAIT_SHARE and now - self._changed_at >= self._hold_s:
+            self._switch(False, now, share)
+
+    def _switch(self, contended: bool, now: float, share: float) -> None:
+        self.contended, self._changed_at = contended, now
+        logger.debug(
+            "CPU threads: %s (largest wait share %.2f)",
+            f"1 for steps of up to {CONTENDED_MAX_TOKENS} tokens" if contended else "all",
+            share,
+        )
+        if contended and not self._told:
+            self._told = True
+            info_once(
+                logger,
+                "Other processes share this worker's cores: steps of up to %d tokens run on one "
+                "thread while they do (set %s=0 to keep %d)",
+                CONTENDED_MAX_TOKENS,
+                ADAPTIVE_ENV,
+                self.full_threads,
+            )
+
+
+def cpu_thread_governor() -> CpuThreadGovernor | None:
+    """The governor over the threads torch has now, or None where the user turned it off."""
+    if os.environ.get(ADAPTIVE_ENV, "1") == "0":
+        return None
+    return CpuThreadGovernor(torch.get_num_threads())
+
+
+def init_cpu_threads(local_rank: int, local_world_size: int) -> None:
+    """Splits this process's cores between the local workers: a disjoint, equal set pinned per
+    rank when there are enough cores, otherwise an equal thread count on shared cores, so
+    N ranks never run N x cpu_count threads that fight over the same cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = len(cpus) // local_world_size
+    if local_world_size > 1 and per_rank >= 1:
+        own = cpus[local_rank * per_rank : (local_rank + 1) * per_rank]
+        os.sched_setaffinity(0, own)
+    torch.set_num_threads(max(1, per_rank))
+    info_once(
+        logger,
+        "CPU worker: %d thread(s) per rank over %d core(s)%s",
+        max(1, per_rank),
+        len(cpus),
+        ", pinned per rank" if local_world_size > 1 and per_rank >= 1 else "",
+    )
