@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint
-from tests.worker.worker_utils import make_engine_config, run_kv_cache_handshake
+from tests.worker.worker_utils import (
+    executor_step,
+    make_engine_config,
+    run_kv_cache_handshake,
+    run_mixed_scenario,
+)
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.worker import cpu_threads
 from v1engine.worker.cpu_threads import (
@@ -27,6 +32,7 @@ from v1engine.worker.cpu_threads import (
 )
 
 MS = 1_000_000  # nanoseconds
+VOCAB_SIZE = 131  # tests/model/checkpoints.py's models
 
 
 def test_schedstats_are_read_per_thread_of_this_process():
@@ -188,11 +194,33 @@ def _governor_state(worker) -> tuple[int, int | None]:
     return torch.get_num_threads(), None if governor is None else governor.full_threads
 
 
-def test_a_cpu_worker_governs_the_threads_it_was_given(tmp_path):
-    executor = MultiprocExecutor(make_engine_config(make_checkpoint(tmp_path, "llama")))
+def _hold_threads(worker, threads: int) -> None:
+    worker.cpu_threads = None  # no governor from here: the count stays as set
+    torch.set_num_threads(threads)
+
+
+def test_a_cpu_worker_governs_its_threads_and_one_thread_gives_all_threads_bits(tmp_path):
+    """The governor may move small steps to one thread at any time, so one thread must compute
+    the same logits, bit for bit, as all: the real scheduler's mixed scenario (chunked prefill,
+    prefix hits, preemption; steps of at most 10 tokens) on one thread and on all. The model is
+    wide enough (hidden 256) that the gemv splits its rows between threads."""
+    cores = len(os.sched_getaffinity(0))
+    path = make_checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    executor = MultiprocExecutor(make_engine_config(path))
     try:
-        run_kv_cache_handshake(executor)
+        kv_cache_config = run_kv_cache_handshake(executor)[0]
         [(threads, full)] = executor.collective_rpc(_governor_state)
+        records = []
+        for held in (1, max(2, cores)):
+            executor.collective_rpc(_hold_threads, args=(held,))
+            step = executor_step(executor)
+            records.append(run_mixed_scenario(step, kv_cache_config, VOCAB_SIZE)[1])
     finally:
         executor.shutdown()
-    assert threads == full == max(1, len(os.sched_getaffinity(0)))
+    assert threads == full == cores
+    one, every = records
+    assert one.logits.keys() == every.logits.keys() and len(one.logits) == 5
+    for req_id, rows in one.logits.items():
+        assert len(rows) == len(every.logits[req_id])
+        for a, b in zip(rows, every.logits[req_id]):
+            assert torch.equal(a, b), req_id
