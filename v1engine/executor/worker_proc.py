@@ -42,7 +42,8 @@ ORPHAN_CLEAN_UP_GRACE_S = 1.0
 # `scripts/profile_steps.py --busy` (batch 1, float32, our CPU kernels): 1,000 spins gave 25
 # tok/s idle, 1.3x slower busy; 10,000 spins (about 0.2 ms) 31.5-33.6 tok/s idle, 2.0-2.1x slower
 # busy; 300,000 gave 35.9 idle, 3.7x busy. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins
-# (GOMP_SPINCOUNT=300000 restores libgomp's default, for a machine of one's own).
+# (GOMP_SPINCOUNT=300000 restores libgomp's default, for a machine of one's own). While the cores
+# stay shared, worker/cpu_threads.py also takes small steps off the barriers: one thread.
 _WORKER_SPIN_COUNT = "10000"
 
 # glibc's malloc (2.35 and later) asks the kernel for transparent huge pages on the memory it
