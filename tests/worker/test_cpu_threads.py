@@ -59,12 +59,13 @@ def test_the_wait_share_is_the_busiest_waiters_among_threads_that_ran():
     before = {"1": (10 * MS, 0), "2": (0, 0)}
     after = {
         "1": (40 * MS, 10 * MS),  # 30 ms ran, 10 waited: 0.25
-        "2": (1 * MS, 4 * MS),  # 5 ms runnable: below the minimum, ignored
+        "2": (14 * MS, 22 * MS),  # ran 14 ms, under half the longest: a helper, ignored
         "3": (20 * MS, 20 * MS),  # new since the first reading: 0.5
     }
-    assert wait_share(before, after, 20 * MS) == (0.5, 85 * MS)
-    assert wait_share(before, {"1": after["1"]}, 20 * MS) == (0.25, 40 * MS)
-    assert wait_share(before, {"2": after["2"]}, 20 * MS) == (0.0, 5 * MS)
+    assert wait_share(before, after) == (0.5, 116 * MS)
+    assert wait_share(before, {"1": after["1"]}) == (0.25, 40 * MS)
+    assert wait_share(before, {"1": after["1"], "2": after["2"]}) == (0.25, 76 * MS)
+    assert wait_share(before, {"2": (0, 5 * MS)}) == (0.0, 5 * MS)
 
 
 class Machine:

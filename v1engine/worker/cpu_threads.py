@@ -38,9 +38,12 @@ ADAPTIVE_ENV = "V1ENGINE_CPU_ADAPTIVE_THREADS"
 # Steps of up to this many tokens run on one thread while the cores are shared (see above: 16
 # requests gained, 64 were level, a prefill lost).
 CONTENDED_MAX_TOKENS = 32
-# Decisions are made over windows of at least this long and this much runnable thread time.
+# Decisions are made over windows of at least this long and this much runnable thread time; the
+# threads they weigh ran at least half as long as the busiest one: the compute threads, which
+# split a step's work evenly (gloo's TCP loop ran 10% as long as they did, and waited half of it).
 WINDOW_S = 0.2
 MIN_RUNNABLE_S = 0.02
+MIN_RAN_SHARE = 0.5
 # Waiting for a CPU above this share of a thread's runnable time means the cores are shared;
 # all threads are tried again only once every thread waits less than the lower share.
 CONTENDED_WAIT_SHARE = 0.3
@@ -74,18 +77,19 @@ def read_thread_schedstats(task_dir: str = "/proc/self/task") -> SchedStats | No
     return stats
 
 
-def wait_share(before: SchedStats, after: SchedStats, min_runnable_ns: int) -> tuple[float, int]:
+def wait_share(before: SchedStats, after: SchedStats) -> tuple[float, int]:
     """Between two readings: the largest share of runnable time spent waiting for a CPU among
-    the threads runnable for at least `min_runnable_ns` (0.0 if none was), and the runnable
-    nanoseconds of all threads in `after` together."""
-    share, total = 0.0, 0
+    the threads that ran at least MIN_RAN_SHARE as long as the one that ran longest, and the
+    runnable nanoseconds of all threads in `after` together. Threads that barely ran are left
+    out: a helper that wakes for a moment (gloo's TCP loop) while the compute threads hold every
+    core waits much of its short life, which says nothing about other processes."""
+    deltas = []
     for tid, (ran, waited) in after.items():
         ran0, waited0 = before.get(tid, (0, 0))
-        runnable = (ran - ran0) + (waited - waited0)
-        total += runnable
-        if runnable >= min_runnable_ns:
-            share = max(share, (waited - waited0) / runnable)
-    return share, total
+        deltas.append((ran - ran0, waited - waited0))
+    floor = max(MIN_RAN_SHARE * max((ran for ran, _ in deltas), default=0), 1)
+    shares = [waited / (ran + waited) for ran, waited in deltas if ran >= floor]
+    return max(shares, default=0.0), sum(ran + waited for ran, waited in deltas)
 
 
 class CpuThreadGovernor:
@@ -131,7 +135,7 @@ class CpuThreadGovernor:
         if stats is None:  # /proc went away: this step goes back to all threads, for good
             self._stats, self.contended = None, False
             return
-        share, runnable = wait_share(self._stats, stats, int(MIN_RUNNABLE_S * 1e9))
+        share, runnable = wait_share(self._stats, stats)
         if runnable < MIN_RUNNABLE_S * 1e9:  # too little ran to tell: widen the window
             return
         self._stats, self._window_start = stats, now
