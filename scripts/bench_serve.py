@@ -17,6 +17,9 @@ alternating; every figure reported is the median over the repeats:
 
     python scripts/bench_serve.py --baseline-ref 3f118f4 --repeats 3 --concurrencies 1,16 \
         --request-rates "" --json serve.json
+
+`--busy` runs every sweep, the server's start-up included, with one busy process per core
+competing, as on a machine whose cores are shared.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from _bench_utils import REPO, checkout_env, worktree
+from _bench_utils import REPO, busy_cores, checkout_env, worktree
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -202,6 +205,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline-ref", default=None, help="git ref served alongside")
     parser.add_argument("--repeats", type=int, default=1, help="sweeps per system (medians)")
+    parser.add_argument("--busy", action="store_true", help="one busy process per core")
     parser.add_argument("--json", default=None, help="write the results here")
     args, server_args = parser.parse_known_args()
     if args.base_url and args.baseline_ref:
@@ -274,7 +278,8 @@ def main() -> None:
         runs: dict[str, list[list[dict]]] = {name: [] for name in systems}
         for repeat in range(args.repeats):
             for name in list(systems) if repeat % 2 == 0 else list(systems)[::-1]:
-                runs[name].append(sweep_system(args, server_args, name, systems[name]))
+                with busy_cores(args.busy):
+                    runs[name].append(sweep_system(args, server_args, name, systems[name]))
     results = [record for sweeps in runs.values() for record in medians(sweeps)]
     if args.repeats > 1 or baseline:
         print(f"medians over {args.repeats} sweep(s) per system:")
@@ -288,6 +293,7 @@ def main() -> None:
             "base_url": args.base_url,
             "baseline_ref": args.baseline_ref,
             "repeats": args.repeats,
+            "busy": args.busy,
         }
         try:
             import torch
