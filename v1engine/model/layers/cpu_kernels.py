@@ -87,10 +87,15 @@ def max_gemv_tokens(dtype: torch.dtype) -> int:
     return _row_limits().get(("gemv", dtype), 0)
 
 
+def _gemm_width_ok(dtype: torch.dtype, in_features: int) -> bool:
+    """The bfloat16 gemm reads pairs along k, so it takes an even width only."""
+    return dtype != torch.bfloat16 or in_features % 2 == 0
+
+
 def max_gemm_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
     """The most rows `gemm` is meant for with `dtype` inputs of `in_features` (0: no kernel for
-    them; the bfloat16 gemm reads pairs along k, so it takes an even number only)."""
-    if dtype == torch.bfloat16 and in_features % 2:
+    them, or a width it cannot take)."""
+    if not _gemm_width_ok(dtype, in_features):
         return 0
     return _row_limits().get(("gemm", dtype), 0)
 
@@ -166,7 +171,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """`F.linear(x, weight, bias)` for x [..., K] of any number of rows (meant for a few dozen:
     `max_gemm_tokens`, which also says whether there is a kernel for x's dtype and K); weight and
     bias contiguous. Each output row depends only on its own input row."""
-    if x.dtype == torch.bfloat16 and x.shape[-1] % 2:
+    if not _gemm_width_ok(x.dtype, x.shape[-1]):
         raise ValueError(
             f"the bfloat16 gemm reads pairs along k, so in_features must be even, got "
             f"{x.shape[-1]}; call linear(), which sends odd widths to oneDNN"
