@@ -95,10 +95,10 @@ class Machine:
         )
 
 
-def steps(machine, governor, seconds, wait_share, tokens=1) -> None:
-    """Steps of `tokens` tokens, one per 10 ms, for `seconds`."""
+def steps(machine, governor, seconds, wait_share) -> None:
+    """One-token steps, one per 10 ms, for `seconds`."""
     for _ in range(round(seconds / 0.01)):
-        governor.before_step(tokens)
+        governor.before_step(1)
         machine.run(0.01, wait_share)
 
 

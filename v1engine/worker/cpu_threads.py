@@ -69,7 +69,7 @@ def read_thread_schedstats(task_dir: str = "/proc/self/task") -> SchedStats | No
         try:
             with open(f"{task_dir}/{tid}/schedstat") as f:
                 ran, waited = f.read().split()[:2]
-        except FileNotFoundError:  # the thread ended since the listing
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended since the listing
             continue
         except (OSError, ValueError):
             return None
