@@ -188,6 +188,9 @@ def test_the_environment_can_turn_it_off(monkeypatch):
     assert cpu_thread_governor() is None
     monkeypatch.setenv(cpu_threads.ADAPTIVE_ENV, "1")
     assert cpu_thread_governor().full_threads == torch.get_num_threads()
+    monkeypatch.setenv(cpu_threads.ADAPTIVE_ENV, "off")
+    with pytest.raises(ValueError, match="V1ENGINE_CPU_ADAPTIVE_THREADS='off': set it to 0"):
+        cpu_thread_governor()
 
 
 def _governor_state(worker) -> tuple[int, int | None]:

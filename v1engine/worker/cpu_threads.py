@@ -167,10 +167,15 @@ class CpuThreadGovernor:
 
 
 def cpu_thread_governor() -> CpuThreadGovernor | None:
-    """The governor over the threads torch has now, or None where the user turned it off."""
-    if os.environ.get(ADAPTIVE_ENV, "1") == "0":
-        return None
-    return CpuThreadGovernor(torch.get_num_threads())
+    """The governor over the threads torch has now, or None where the user turned it off.
+
+    Raises:
+        ValueError: the environment variable is set to something other than 0 or 1.
+    """
+    value = os.environ.get(ADAPTIVE_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ADAPTIVE_ENV}={value!r}: set it to 0 (all threads) or 1 (adaptive)")
+    return CpuThreadGovernor(torch.get_num_threads()) if value == "1" else None
 
 
 def init_cpu_threads(local_rank: int, local_world_size: int) -> None:
