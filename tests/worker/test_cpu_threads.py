@@ -13,19 +13,27 @@ import torch
 
 from tests.model.checkpoints import make_checkpoint
 from tests.worker.worker_utils import (
+    RunRecord,
     executor_step,
     make_engine_config,
+    make_prompts,
+    make_request,
+    make_scheduler,
     run_kv_cache_handshake,
     run_mixed_scenario,
+    run_requests,
 )
 from v1engine.executor.multiproc_executor import MultiprocExecutor
+from v1engine.model.layers import cpu_kernels
 from v1engine.worker import cpu_threads
 from v1engine.worker.cpu_threads import (
     CONTENDED_MAX_TOKENS,
+    CONTENDED_MIN_TOKENS,
     MAX_HOLD_S,
     MIN_HOLD_S,
     WINDOW_S,
     CpuThreadGovernor,
+    contended_step_tokens,
     cpu_thread_governor,
     read_thread_schedstats,
     wait_share,
@@ -86,9 +94,12 @@ class Machine:
         self.waited += int(seconds * wait_share * 1e9)
         self.ran += int(seconds * (1 - wait_share) * 1e9)
 
-    def governor(self, full_threads: int = 4) -> CpuThreadGovernor:
+    def governor(
+        self, full_threads: int = 4, small_step_tokens: int = CONTENDED_MIN_TOKENS
+    ) -> CpuThreadGovernor:
         return CpuThreadGovernor(
             full_threads,
+            small_step_tokens,
             read_stats=self.stats,
             clock=lambda: self.now,
             set_threads=self.threads.append,
@@ -114,10 +125,10 @@ def test_shared_cores_put_small_steps_on_one_thread_and_large_ones_on_all():
     governor = machine.governor()
     steps(machine, governor, 2 * WINDOW_S + 0.02, wait_share=0.5)
     assert governor.contended and machine.threads == [1]
-    governor.before_step(CONTENDED_MAX_TOKENS)
+    governor.before_step(CONTENDED_MIN_TOKENS)
     assert machine.threads == [1]
-    governor.before_step(CONTENDED_MAX_TOKENS + 1)
-    governor.before_step(CONTENDED_MAX_TOKENS + 1)  # no call when the count stays
+    governor.before_step(CONTENDED_MIN_TOKENS + 1)
+    governor.before_step(CONTENDED_MIN_TOKENS + 1)  # no call when the count stays
     governor.before_step(1)
     assert machine.threads == [1, 4, 1]
 
@@ -183,19 +194,40 @@ def test_schedstat_vanishing_later_returns_to_every_thread():
     assert not governor.active and not governor.contended and machine.threads == [1, 4]
 
 
+def test_the_cut_for_small_steps_is_given():
+    machine = Machine()
+    governor = machine.governor(small_step_tokens=100)
+    steps(machine, governor, 2 * WINDOW_S + 0.02, wait_share=0.5)
+    governor.before_step(100)
+    governor.before_step(101)
+    assert machine.threads == [1, 4]
+
+
+def test_small_steps_reach_as_far_as_our_matmul_kernels_within_the_bounds(monkeypatch):
+    for ours, cut in ((0, CONTENDED_MIN_TOKENS), (64, 64), (4096, CONTENDED_MAX_TOKENS)):
+        monkeypatch.setattr(cpu_kernels, "max_gemm_tokens", lambda dtype, width, n=ours: n)
+        monkeypatch.setattr(cpu_kernels, "available", lambda: True)
+        assert contended_step_tokens(torch.float32, 256) == cut
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert contended_step_tokens(torch.float32, 256) == CONTENDED_MIN_TOKENS
+
+
 def test_the_environment_can_turn_it_off(monkeypatch):
     monkeypatch.setenv(cpu_threads.ADAPTIVE_ENV, "0")
-    assert cpu_thread_governor() is None
+    assert cpu_thread_governor(CONTENDED_MIN_TOKENS) is None
     monkeypatch.setenv(cpu_threads.ADAPTIVE_ENV, "1")
-    assert cpu_thread_governor().full_threads == torch.get_num_threads()
+    governor = cpu_thread_governor(64)
+    assert governor.full_threads == torch.get_num_threads() and governor.small_step_tokens == 64
     monkeypatch.setenv(cpu_threads.ADAPTIVE_ENV, "off")
     with pytest.raises(ValueError, match="V1ENGINE_CPU_ADAPTIVE_THREADS='off': set it to 0"):
-        cpu_thread_governor()
+        cpu_thread_governor(CONTENDED_MIN_TOKENS)
 
 
-def _governor_state(worker) -> tuple[int, int | None]:
+def _governor_state(worker) -> tuple[int, int | None, int | None]:
     governor = worker.cpu_threads
-    return torch.get_num_threads(), None if governor is None else governor.full_threads
+    if governor is None:
+        return torch.get_num_threads(), None, None
+    return torch.get_num_threads(), governor.full_threads, governor.small_step_tokens
 
 
 def _hold_threads(worker, threads: int) -> None:
@@ -203,28 +235,45 @@ def _hold_threads(worker, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def _run_large_steps(step, kv_cache_config, max_tokens: int) -> RunRecord:
+    """Three prompts that fill a first step of `max_tokens` tokens and a second of over half of
+    it, then decode: the largest steps the governor puts on one thread."""
+    lens = [max_tokens // 4, max_tokens // 2, max_tokens // 2 + 8]
+    prompts = make_prompts(VOCAB_SIZE, lens, seed=2)
+    max_len = max(lens) + 8
+    requests = [make_request(f"r{i}", p, max_len) for i, p in enumerate(prompts)]
+    scheduler = make_scheduler(kv_cache_config, token_budget=max_tokens, max_model_len=max_len)
+    record = run_requests(scheduler, step, {0: requests})
+    assert record.scheduler_outputs[0].total_num_scheduled_tokens == max_tokens
+    return record
+
+
 def test_a_cpu_worker_governs_its_threads_and_one_thread_gives_all_threads_bits(tmp_path):
     """The governor may move small steps to one thread at any time, so one thread must compute
     the same logits, bit for bit, as all: the real scheduler's mixed scenario (chunked prefill,
-    prefix hits, preemption; steps of at most 10 tokens) on one thread and on all. The model is
-    wide enough (hidden 256) that the gemv splits its rows between threads."""
+    prefix hits, preemption; steps of at most 10 tokens), then steps as large as the governor
+    lets one thread take (`contended_step_tokens`), on one thread and on all. The model is wide
+    enough (hidden 256) that the gemv splits its rows between threads."""
     cores = len(os.sched_getaffinity(0))
     path = make_checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
-    executor = MultiprocExecutor(make_engine_config(path))
+    large = contended_step_tokens(torch.float32, 256)
+    config = make_engine_config(path, max_model_len=large, max_num_batched_tokens=large)
+    executor = MultiprocExecutor(config)
     try:
         kv_cache_config = run_kv_cache_handshake(executor)[0]
-        [(threads, full)] = executor.collective_rpc(_governor_state)
+        [state] = executor.collective_rpc(_governor_state)
         records = []
         for held in (1, max(2, cores)):
             executor.collective_rpc(_hold_threads, args=(held,))
             step = executor_step(executor)
-            records.append(run_mixed_scenario(step, kv_cache_config, VOCAB_SIZE)[1])
+            mixed = run_mixed_scenario(step, kv_cache_config, VOCAB_SIZE)[1]
+            records.append((mixed, _run_large_steps(step, kv_cache_config, large)))
     finally:
         executor.shutdown()
-    assert threads == full == cores
-    one, every = records
-    assert one.logits.keys() == every.logits.keys() and len(one.logits) == 5
-    for req_id, rows in one.logits.items():
-        assert len(rows) == len(every.logits[req_id])
-        for a, b in zip(rows, every.logits[req_id]):
-            assert torch.equal(a, b), req_id
+    assert state == (cores, cores, large)
+    for one, every in zip(*records):
+        assert one.logits.keys() == every.logits.keys() and len(one.logits) in (3, 5)
+        for req_id, rows in one.logits.items():
+            assert len(rows) == len(every.logits[req_id])
+            for a, b in zip(rows, every.logits[req_id]):
+                assert torch.equal(a, b), req_id

@@ -9,7 +9,7 @@ splits. Measured with `scripts/profile_steps.py --busy` (one busy process per co
 float32, default model): a batch-1 decode step took 50.7 ms with 2 threads and 24.8 ms with 1
 (13.4 ms with 2 on the quiet machine); 16 requests 59.5 and 47.0 ms; 64 requests 148 and 156
 ms; a prefill of 64 prompts 1.98 and 2.69 s. So under contention small steps run on one thread
-and large ones keep them all.
+and large ones keep them all; `contended_step_tokens` says where the cut lies.
 
 Contention is read from the kernel's scheduler statistics (/proc/self/task/*/schedstat: per
 thread, the time it ran and the time it waited, runnable, for a CPU): over a window of steps, if
@@ -31,13 +31,22 @@ from collections.abc import Callable
 import torch
 
 from v1engine.logger import info_once, init_logger
+from v1engine.model.layers import cpu_kernels
 
 logger = init_logger(__name__)
 
 ADAPTIVE_ENV = "V1ENGINE_CPU_ADAPTIVE_THREADS"
-# Steps of up to this many tokens run on one thread while the cores are shared (see above: 16
-# requests gained, 64 were level, a prefill lost).
-CONTENDED_MAX_TOKENS = 32
+# While the cores are shared, steps of up to CONTENDED_MIN_TOKENS run on one thread, and up to
+# CONTENDED_MAX_TOKENS where our kernels take the step's matmuls (`contended_step_tokens`).
+# Decode steps (above): 16 requests gained, 64 were level. Prompts: on two threads a step that
+# took ~120 ms sometimes took ~330 instead, a third of them in one server run (64-token prompts,
+# bfloat16, one busy process per core, 2-core AMD EPYC); on one thread it took ~160, rarely
+# more. `scripts/bench_serve.py --busy`, 128 against 32, medians of 3 sweeps: concurrency 1
+# TTFT p50 139 against 137 ms, p99 185 against 357; concurrency 16 246 against 235 tokens/s,
+# TTFT p50 546 against 616 ms. Past 128 two threads win (`profile_steps.py --busy --threads`:
+# a 128-token prompt 215 against 244 ms, 512 tokens 734 against 930).
+CONTENDED_MIN_TOKENS = 32
+CONTENDED_MAX_TOKENS = 128
 # Decisions are made over windows of at least this long and this much runnable thread time; the
 # threads they weigh ran at least half as long as the busiest one: the compute threads, which
 # split a step's work evenly (gloo's TCP loop ran 10% as long as they did, and waited half of it).
@@ -99,11 +108,13 @@ class CpuThreadGovernor:
     def __init__(
         self,
         full_threads: int,
+        small_step_tokens: int = CONTENDED_MIN_TOKENS,
         read_stats: Callable[[], SchedStats | None] = read_thread_schedstats,
         clock: Callable[[], float] = time.monotonic,
         set_threads: Callable[[int], None] = torch.set_num_threads,
     ) -> None:
         self.full_threads = full_threads
+        self.small_step_tokens = small_step_tokens  # steps of up to this many take one thread
         self.contended = False
         self._read_stats, self._clock, self._set_threads = read_stats, clock, set_threads
         self._threads = full_threads
@@ -124,7 +135,7 @@ class CpuThreadGovernor:
         now = self._clock()
         if now - self._window_start >= WINDOW_S:
             self._end_window(now)
-        small = num_tokens <= CONTENDED_MAX_TOKENS
+        small = num_tokens <= self.small_step_tokens
         threads = 1 if self.contended and small else self.full_threads
         if threads != self._threads:
             self._set_threads(threads)
@@ -151,7 +162,7 @@ class CpuThreadGovernor:
         self.contended, self._changed_at = contended, now
         logger.debug(
             "CPU threads: %s (largest wait share %.2f)",
-            f"1 for steps of up to {CONTENDED_MAX_TOKENS} tokens" if contended else "all",
+            f"1 for steps of up to {self.small_step_tokens} tokens" if contended else "all",
             share,
         )
         if contended and not self._told:
@@ -160,13 +171,22 @@ class CpuThreadGovernor:
                 logger,
                 "Other processes share this worker's cores: steps of up to %d tokens run on one "
                 "thread while they do (set %s=0 to keep %d)",
-                CONTENDED_MAX_TOKENS,
+                self.small_step_tokens,
                 ADAPTIVE_ENV,
                 self.full_threads,
             )
 
 
-def cpu_thread_governor() -> CpuThreadGovernor | None:
+def contended_step_tokens(dtype: torch.dtype, hidden_size: int) -> int:
+    """The most tokens a step of a model computing in `dtype` runs on one thread while the
+    cores are shared: CONTENDED_MAX_TOKENS as far as our matmul kernels go, which compute each
+    output on one thread in a fixed order and so give one thread all threads' bits (torch's and
+    oneDNN's kernels past them may split a sum by thread); CONTENDED_MIN_TOKENS in any case."""
+    ours = cpu_kernels.max_gemm_tokens(dtype, hidden_size) if cpu_kernels.available() else 0
+    return max(CONTENDED_MIN_TOKENS, min(CONTENDED_MAX_TOKENS, ours))
+
+
+def cpu_thread_governor(small_step_tokens: int) -> CpuThreadGovernor | None:
     """The governor over the threads torch has now, or None where the user turned it off.
 
     Raises:
@@ -175,7 +195,9 @@ def cpu_thread_governor() -> CpuThreadGovernor | None:
     value = os.environ.get(ADAPTIVE_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ADAPTIVE_ENV}={value!r}: set it to 0 (all threads) or 1 (adaptive)")
-    return CpuThreadGovernor(torch.get_num_threads()) if value == "1" else None
+    if value == "0":
+        return None
+    return CpuThreadGovernor(torch.get_num_threads(), small_step_tokens)
 
 
 def init_cpu_threads(local_rank: int, local_world_size: int) -> None:

@@ -21,7 +21,12 @@ from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.cpu_malloc import tune_malloc_for_tensors
-from v1engine.worker.cpu_threads import CpuThreadGovernor, cpu_thread_governor, init_cpu_threads
+from v1engine.worker.cpu_threads import (
+    CpuThreadGovernor,
+    contended_step_tokens,
+    cpu_thread_governor,
+    init_cpu_threads,
+)
 from v1engine.worker.gpu_model_runner import GPUModelRunner
 from v1engine.worker.kv_cache import kv_cache_spec_from_config
 from v1engine.worker.memory import (
@@ -169,7 +174,9 @@ class Worker(WorkerBase):
         # The warm-up drew random numbers; restart so unseeded sampling follows the seed alone.
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":  # the thread count is final here, a subclass's included
-            self.cpu_threads = cpu_thread_governor()
+            runner = self.model_runner
+            small = contended_step_tokens(runner.dtype, runner.hf_config.hidden_size)
+            self.cpu_threads = cpu_thread_governor(small)
 
     # -- serving --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
