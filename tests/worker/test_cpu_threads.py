@@ -236,8 +236,8 @@ def _hold_threads(worker, threads: int) -> None:
 
 
 def _run_large_steps(step, kv_cache_config, max_tokens: int) -> RunRecord:
-    """Three prompts that fill a first step of `max_tokens` tokens and a second of over half of
-    it, then decode: the largest steps the governor puts on one thread."""
+    """Three prompts that fill a first step of exactly `max_tokens` tokens, the largest the
+    governor puts on one thread; the rest of the last prompt and the decodes follow."""
     lens = [max_tokens // 4, max_tokens // 2, max_tokens // 2 + 8]
     prompts = make_prompts(VOCAB_SIZE, lens, seed=2)
     max_len = max(lens) + 8

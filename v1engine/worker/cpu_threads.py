@@ -40,7 +40,7 @@ ADAPTIVE_ENV = "V1ENGINE_CPU_ADAPTIVE_THREADS"
 # CONTENDED_MAX_TOKENS where our kernels take the step's matmuls (`contended_step_tokens`).
 # Decode steps (above): 16 requests gained, 64 were level. Prompts: on two threads a step that
 # took ~120 ms sometimes took ~330 instead, a third of them in one server run (64-token prompts,
-# bfloat16, one busy process per core, 2-core AMD EPYC); on one thread it took ~160, rarely
+# bfloat16, one busy process per core, 2-core AMD EPYC Zen 4); on one thread ~80-165, rarely
 # more. `scripts/bench_serve.py --busy`, 128 against 32, medians of 3 sweeps: concurrency 1
 # TTFT p50 139 against 137 ms, p99 185 against 357; concurrency 16 246 against 235 tokens/s,
 # TTFT p50 546 against 616 ms. Past 128 two threads win (`profile_steps.py --busy --threads`:
