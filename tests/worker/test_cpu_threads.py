@@ -205,7 +205,7 @@ def test_the_cut_for_small_steps_is_given():
 
 def test_small_steps_reach_as_far_as_our_matmul_kernels_within_the_bounds(monkeypatch):
     for ours, cut in ((0, CONTENDED_MIN_TOKENS), (64, 64), (4096, CONTENDED_MAX_TOKENS)):
-        monkeypatch.setattr(cpu_kernels, "max_gemm_tokens", lambda dtype, width, n=ours: n)
+        monkeypatch.setattr(cpu_threads, "max_kernel_tokens", lambda dtype, width, n=ours: n)
         monkeypatch.setattr(cpu_kernels, "available", lambda: True)
         assert contended_step_tokens(torch.float32, 256) == cut
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)

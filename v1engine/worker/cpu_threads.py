@@ -32,6 +32,7 @@ import torch
 
 from v1engine.logger import info_once, init_logger
 from v1engine.model.layers import cpu_kernels
+from v1engine.model.layers.linear import max_kernel_tokens
 
 logger = init_logger(__name__)
 
@@ -182,7 +183,7 @@ def contended_step_tokens(dtype: torch.dtype, hidden_size: int) -> int:
     cores are shared: CONTENDED_MAX_TOKENS as far as our matmul kernels go, which compute each
     output on one thread in a fixed order and so give one thread all threads' bits (torch's and
     oneDNN's kernels past them may split a sum by thread); CONTENDED_MIN_TOKENS in any case."""
-    ours = cpu_kernels.max_gemm_tokens(dtype, hidden_size) if cpu_kernels.available() else 0
+    ours = max_kernel_tokens(dtype, hidden_size) if cpu_kernels.available() else 0
     return max(CONTENDED_MIN_TOKENS, min(CONTENDED_MAX_TOKENS, ours))
 
 
