@@ -79,7 +79,13 @@ static inline void group_rows(const char **rows, const char *cache, const int32_
    stream in while it runs: `bench_attention.py --cold --baseline-ref` (caches evicted before
    every call, as in the engine), 2-core AMD EPYC (Zen 5), float32, 64 decodes over 96 / 192 /
    512 keys: 0.25 / 0.55 / 1.38 against 0.34 / 0.63 / 1.61 ms per layer, with the last group of
-   keys also asking for the first group of values. Not in the blocked passes: a prefill's units
+   keys also asking for the first group of values. The lines go to L2 (prefetcht1), not L1: on a
+   2-core Zen 4 (EPYC family 25 model 17) a prefetch into L1 stalled once L1's few miss buffers
+   were full (a third of both passes' cycles sat on it, `perf annotate`), while L2 keeps many
+   more lines in flight and the passes then read them from there: 0.83 / 1.02 / 2.26 against
+   1.04 / 1.35 / 3.28 ms per layer at 144 / 192 / 512 keys (same command), and the 64-decode
+   step of `bench_decode.py` went from 436 to 479 tok/s (same tokens); prefetching two groups
+   ahead instead of one measured no better. Not in the blocked passes: a prefill's units
    re-read the same keys from L2 there, and the extra instructions made them 25-35% slower. */
 struct pending {
     const char *start;
@@ -100,11 +106,11 @@ static inline struct pending pending_group(const char *cache, const int32_t *tab
     return (struct pending){start, lines, (lines + steps - 1) / steps, 0};
 }
 
-/* Asks for the next slice of p's lines. */
+/* Asks for the next slice of p's lines, into L2 (above). */
 static inline void prefetch_slice(struct pending *p)
 {
     for (long i = 0; i < p->per_step && p->next < p->lines; i++, p->next++)
-        __builtin_prefetch(p->start + p->next * 64);
+        __builtin_prefetch(p->start + p->next * 64, 0, 2);
 }
 
 /* The keys i0 .. i0 + count - 1 that row r sees, as j0 .. j1 - 1 (j1 <= j0: none). */
