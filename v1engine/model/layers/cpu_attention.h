@@ -85,8 +85,10 @@ static inline void group_rows(const char **rows, const char *cache, const int32_
    more lines in flight and the passes then read them from there: 0.83 / 1.02 / 2.26 against
    1.04 / 1.35 / 3.28 ms per layer at 144 / 192 / 512 keys (same command), and the 64-decode
    step of `bench_decode.py` went from 436 to 479 tok/s (same tokens); prefetching two groups
-   ahead instead of one measured no better. Not in the blocked passes: a prefill's units
-   re-read the same keys from L2 there, and the extra instructions made them 25-35% slower. */
+   ahead instead of one measured no better. bfloat16, with half the lines a slice, measured
+   level either way (within the 2-5% by which two builds of the same source differed there).
+   Not in the blocked passes: a prefill's units re-read the same keys from L2 there, and the
+   extra instructions made them 25-35% slower. */
 struct pending {
     const char *start;
     long lines, per_step, next;
