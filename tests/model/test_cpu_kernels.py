@@ -102,6 +102,7 @@ def test_bfloat16_gemm_nan_stays_nan_and_odd_k_is_not_its_to_take():
     with pytest.raises(ValueError, match="in_features must be even, got 37"):
         cpu_kernels.gemm(odd, torch.ones(3, 37, dtype=torch.bfloat16))
     assert max_kernel_tokens(torch.bfloat16, 37) == cpu_kernels.max_gemv_tokens(torch.bfloat16)
+    assert max_kernel_tokens(torch.bfloat16, 576, 37) == max_kernel_tokens(torch.bfloat16, 37)
 
 
 # Blocks of 8 tokens with AVX-512 (4 otherwise): below, at and past one, and many; panels of 48

@@ -205,11 +205,11 @@ def test_the_cut_for_small_steps_is_given():
 
 def test_small_steps_reach_as_far_as_our_matmul_kernels_within_the_bounds(monkeypatch):
     for ours, cut in ((0, CONTENDED_MIN_TOKENS), (64, 64), (4096, CONTENDED_MAX_TOKENS)):
-        monkeypatch.setattr(cpu_threads, "max_kernel_tokens", lambda dtype, width, n=ours: n)
+        monkeypatch.setattr(cpu_threads, "max_kernel_tokens", lambda dtype, *widths, n=ours: n)
         monkeypatch.setattr(cpu_kernels, "available", lambda: True)
-        assert contended_step_tokens(torch.float32, 256) == cut
+        assert contended_step_tokens(torch.float32, (256,)) == cut
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert contended_step_tokens(torch.float32, 256) == CONTENDED_MIN_TOKENS
+    assert contended_step_tokens(torch.float32, (256,)) == CONTENDED_MIN_TOKENS
 
 
 def test_the_environment_can_turn_it_off(monkeypatch):
@@ -256,7 +256,7 @@ def test_a_cpu_worker_governs_its_threads_and_one_thread_gives_all_threads_bits(
     enough (hidden 256) that the gemv splits its rows between threads."""
     cores = len(os.sched_getaffinity(0))
     path = make_checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
-    large = contended_step_tokens(torch.float32, 256)
+    large = contended_step_tokens(torch.float32, (256, 512))
     config = make_engine_config(path, max_model_len=large, max_num_batched_tokens=large)
     executor = MultiprocExecutor(config)
     try:

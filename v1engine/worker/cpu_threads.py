@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -178,12 +178,13 @@ class CpuThreadGovernor:
             )
 
 
-def contended_step_tokens(dtype: torch.dtype, hidden_size: int) -> int:
-    """The most tokens a step of a model computing in `dtype` runs on one thread while the
-    cores are shared: CONTENDED_MAX_TOKENS as far as our matmul kernels go, which compute each
-    output on one thread in a fixed order and so give one thread all threads' bits (torch's and
-    oneDNN's kernels past them may split a sum by thread); CONTENDED_MIN_TOKENS in any case."""
-    ours = max_kernel_tokens(dtype, hidden_size) if cpu_kernels.available() else 0
+def contended_step_tokens(dtype: torch.dtype, in_features: Iterable[int]) -> int:
+    """The most tokens a step of a model computing in `dtype`, whose matmuls read inputs of the
+    widths `in_features`, runs on one thread while the cores are shared: CONTENDED_MAX_TOKENS as
+    far as our matmul kernels take every one of them, as they compute each output on one thread
+    in a fixed order and so give one thread all threads' bits (torch's and oneDNN's kernels past
+    them may split a sum by thread); CONTENDED_MIN_TOKENS in any case."""
+    ours = max_kernel_tokens(dtype, *in_features) if cpu_kernels.available() else 0
     return max(CONTENDED_MIN_TOKENS, min(CONTENDED_MAX_TOKENS, ours))
 
 

@@ -17,6 +17,7 @@ import torch
 from v1engine.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import get_architecture, load_hf_config, resolve_dtype
+from v1engine.model.layers.linear import LinearBase
 from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
@@ -175,8 +176,9 @@ class Worker(WorkerBase):
         torch.manual_seed(self.config.model_config.seed)
         if self.device.type == "cpu":  # the thread count is final here, a subclass's included
             runner = self.model_runner
-            small = contended_step_tokens(runner.dtype, runner.hf_config.hidden_size)
-            self.cpu_threads = cpu_thread_governor(small)
+            linears = (m for m in runner.model.modules() if isinstance(m, LinearBase))
+            widths = {m.weight.shape[1] for m in linears}  # each matmul's in_features
+            self.cpu_threads = cpu_thread_governor(contended_step_tokens(runner.dtype, widths))
 
     # -- serving --------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

@@ -255,10 +255,11 @@ def _packs(weight: torch.Tensor) -> bool:
     )
 
 
-def max_kernel_tokens(dtype: torch.dtype, in_features: int = 0) -> int:
-    """The most rows our CPU matmul kernels take for `dtype` inputs of `in_features` (gemv, then
-    gemm past it)."""
-    return max(cpu_kernels.max_gemv_tokens(dtype), cpu_kernels.max_gemm_tokens(dtype, in_features))
+def max_kernel_tokens(dtype: torch.dtype, *in_features: int) -> int:
+    """The most rows our CPU matmul kernels take for `dtype` inputs of every width in
+    `in_features` (none given: a width any kernel takes), gemv, then gemm past it."""
+    gemv = cpu_kernels.max_gemv_tokens(dtype)
+    return min(max(gemv, cpu_kernels.max_gemm_tokens(dtype, k)) for k in in_features or (0,))
 
 
 def kernels_apply(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

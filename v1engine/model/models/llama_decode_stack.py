@@ -89,10 +89,11 @@ class LlamaDecodeStack:
             cpu_kernels.max_gemm_packed_tokens(model.norm.weight.dtype),
         )
         # The most rows every matmul's kernel takes (the bfloat16 gemm needs an even K).
-        widths = (self._shape.hidden, attention.num_heads * attention.head_size)
-        self._max_tokens = min(
-            max_kernel_tokens(model.norm.weight.dtype, k)
-            for k in (*widths, self._shape.intermediate)
+        self._max_tokens = max_kernel_tokens(
+            model.norm.weight.dtype,
+            self._shape.hidden,
+            attention.num_heads * attention.head_size,
+            self._shape.intermediate,
         )
         # The layer table holds raw pointers to weights and caches, so it keeps the caches it
         # was built from, and is rebuilt when a layer's cache is rebound.
