@@ -54,6 +54,34 @@ def read_bandwidth_gb_s(threads: int) -> float:
         torch.set_num_threads(before)
 
 
+def matmul_peak_gflop_s(threads: int, dtype, in_features: int, out_features: int) -> float:
+    """The fastest GFLOP/s `threads` threads reach on a prefill-sized matmul (2,048 rows of
+    `in_features` times a weight [out_features, in_features]): best of 5 calls of MKL's `F.linear`
+    and of oneDNN's linear, whichever is faster here (the engine takes the faster on each CPU)."""
+    import torch
+    import torch.nn.functional as F
+
+    def onednn(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(2048, in_features).to(dtype)
+        weight = torch.randn(out_features, in_features).to(dtype)
+        best = float("inf")
+        with torch.inference_mode():
+            for matmul in (F.linear, onednn):
+                matmul(x, weight)  # warm-up: oneDNN builds its kernel on a shape's first call
+                for _ in range(5):
+                    start = time.perf_counter()
+                    matmul(x, weight)
+                    best = min(best, time.perf_counter() - start)
+        return 2 * x.shape[0] * in_features * out_features / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
 @contextmanager
 def busy_cores(enabled: bool = True) -> Iterator[None]:
     """One busy process (`yes > /dev/null`) per core this process may use, while inside."""

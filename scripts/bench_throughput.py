@@ -10,6 +10,11 @@ prefix cache is emptied before each v1engine run, so no repeat reuses an earlier
 timing until the last token is on the host; `--eager-baseline` adds v1engine with
 `enforce_eager=True` (no CUDA graphs) as a third system in the same alternating run.
 
+On CPU it also prints the workload's floor: its arithmetic (every projection of every token fed to
+the model, the LM head per output token, causal attention) at the fastest matmul rate this CPU
+gives in the same run, as the most output tokens/s any engine doing that work could reach, each
+system's share of it, and so the most any engine could beat transformers by on this machine.
+
     python scripts/bench_throughput.py --num-requests 64 --repeats 3 --json throughput.json
 """
 
@@ -24,7 +29,12 @@ import time
 from typing import Any
 
 import torch
-from _bench_utils import cpu_machine_info, cuda_machine_info
+from _bench_utils import (
+    cpu_machine_info,
+    cuda_machine_info,
+    matmul_peak_gflop_s,
+    read_bandwidth_gb_s,
+)
 
 
 def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -80,6 +90,75 @@ def run_transformers(model: Any, requests: list[tuple[list[int], int]], batch_si
     return time.perf_counter() - start
 
 
+def workload_gflop(config: Any, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+    """The arithmetic any engine does for `requests` on a Llama-style decoder (gated MLP), in
+    GFLOP: the projections of every token fed to the model (the prompt, then each output but the
+    last), the LM head on one row per output token, and causal attention (QK^T and PV) at each fed
+    token's position, the prompts' and the decodes'. Embedding lookups, norms, activations and
+    sampling are left out: they are memory-bound passes, a lower bound needs none of them."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    q_width = config.num_attention_heads * _head_dim(config)
+    kv_width = config.num_key_value_heads * _head_dim(config)
+    layer_weights = hidden * (2 * q_width + 2 * kv_width) + 3 * hidden * config.intermediate_size
+    fed = sum(len(prompt) + n - 1 for prompt, n in requests)
+    prompt_keys, decode_keys = _keys_attended(requests)
+    return {
+        "projections": 2 * layer_weights * layers * fed / 1e9,
+        "lm_head": 2 * hidden * config.vocab_size * sum(n for _, n in requests) / 1e9,
+        "prompt_attention": 4 * q_width * layers * prompt_keys / 1e9,
+        "decode_attention": 4 * q_width * layers * decode_keys / 1e9,
+    }
+
+
+def decode_kv_gb(config: Any, requests: list[tuple[list[int], int]], itemsize: int) -> float:
+    """GB of K/V the decode steps read: each output token fed back attends every position up to
+    its own, whose keys and values no cache holds (at 64 requests of a few hundred tokens they are
+    far larger than the last-level cache)."""
+    per_key = config.num_hidden_layers * 2 * config.num_key_value_heads * _head_dim(config)
+    return per_key * itemsize * _keys_attended(requests)[1] / 1e9
+
+
+def _keys_attended(requests: list[tuple[list[int], int]]) -> tuple[int, int]:
+    """(query, key) pairs of causal attention: the prompts' tokens (position i sees i + 1 keys),
+    and the outputs fed back (all but the last, at positions len(prompt) .. len(prompt) + n - 2)."""
+    prompts = sum(len(p) * (len(p) + 1) // 2 for p, _ in requests)
+    decodes = sum(sum(range(len(p) + 1, len(p) + n)) for p, n in requests)
+    return prompts, decodes
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def roofline(config: Any, requests, args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's floors on this CPU, measured in the same run: its GFLOP at the fastest
+    matmul rate (the model's widest projection, gate_up, on 2,048 rows); and the decode steps'
+    attention as the time to read their K/V at the read bandwidth of every thread, after the rest
+    of the arithmetic (as an engine that attends and multiplies in turn does). Each as seconds and
+    as output tokens/s."""
+    dtype = getattr(torch, args.dtype)
+    gflop = workload_gflop(config, requests)
+    width = 2 * config.intermediate_size
+    peak = matmul_peak_gflop_s(args.threads, dtype, config.hidden_size, width)
+    kv_gb, bandwidth = (
+        decode_kv_gb(config, requests, dtype.itemsize),
+        read_bandwidth_gb_s(args.threads),
+    )
+    arithmetic_s = sum(gflop.values()) / peak
+    in_turn_s = (sum(gflop.values()) - gflop["decode_attention"]) / peak + kv_gb / bandwidth
+    output_tokens = sum(n for _, n in requests)
+    return {
+        "gflop": {name: round(value, 1) for name, value in gflop.items()},
+        "matmul_peak_gflop_s": round(peak, 1),
+        "arithmetic_s": round(arithmetic_s, 2),
+        "decode_kv_gb": round(kv_gb, 1),
+        "read_bandwidth_gb_s": round(bandwidth, 1),
+        "in_turn_s": round(in_turn_s, 2),
+        "ceiling_output_tokens_per_s": round(output_tokens / arithmetic_s, 1),
+        "in_turn_ceiling_output_tokens_per_s": round(output_tokens / in_turn_s, 1),
+    }
+
+
 def load_transformers_model(checkpoint: str, dtype: torch.dtype, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -88,7 +167,7 @@ def load_transformers_model(checkpoint: str, dtype: torch.dtype, device: str) ->
     return model
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     from v1engine.entrypoints.llm import LLM
     from v1engine.model.hf_config import default_model_path, prepare_checkpoint
 
@@ -123,7 +202,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for llm in engines.values():
             llm.shutdown()
     output_tokens = sum(n for _, n in requests)
-    return [_record(system, s, output_tokens, args) for system, s in times.items()]
+    results = [_record(system, s, output_tokens, args) for system, s in times.items()]
+    floor = roofline(hf_model.config, requests, args) if args.device == "cpu" else None
+    return results, floor
 
 
 def _record(system: str, seconds: list[float], output_tokens: int, args) -> dict[str, Any]:
@@ -173,9 +254,32 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def print_roofline(floor: dict[str, Any], by_system: dict[str, float]) -> None:
+    gflop = floor["gflop"]
+    ceiling, in_turn = (
+        floor["ceiling_output_tokens_per_s"],
+        floor["in_turn_ceiling_output_tokens_per_s"],
+    )
+    parts = ", ".join(f"{name} {value:.0f}" for name, value in gflop.items())
+    print(
+        f"floor: {sum(gflop.values()):.0f} GFLOP ({parts}) at the "
+        f"{floor['matmul_peak_gflop_s']:.1f} GFLOP/s of this CPU's fastest matmul = "
+        f"{floor['arithmetic_s']:.2f} s (at most {ceiling:.1f} output tokens/s); with the decode "
+        f"attention as its {floor['decode_kv_gb']:.1f} GB of K/V read at "
+        f"{floor['read_bandwidth_gb_s']:.1f} GB/s, {floor['in_turn_s']:.2f} s (at most "
+        f"{in_turn:.1f} output tokens/s)"
+    )
+    reached = ", ".join(f"{s} {tok_s / in_turn:.0%}" for s, tok_s in by_system.items())
+    base = by_system["transformers"]
+    print(
+        f"share of the second: {reached}; an engine at either floor beats transformers here by "
+        f"{ceiling / base:.2f}x or {in_turn / base:.2f}x"
+    )
+
+
 def main() -> None:
     args = parse_args()
-    results = measure(args)
+    results, floor = measure(args)
     by_system = {r["system"]: r["output_tokens_per_s"] for r in results}
     for r in results:
         print(
@@ -189,11 +293,13 @@ def main() -> None:
         eager_ratio = by_system["v1engine"] / by_system["v1engine-eager"]
         print(f"v1engine / v1engine-eager = {eager_ratio:.2f}x")
         ratios["v1engine/v1engine-eager"] = round(eager_ratio, 3)
+    if floor is not None:
+        print_roofline(floor, by_system)
     if args.json:
         machine = cpu_machine_info() if args.device == "cpu" else cuda_machine_info()
         with open(args.json, "w") as f:
             record = {"machine": machine, "results": results, "ratio": round(ratio, 3)}
-            json.dump({**record, "ratios": ratios}, f, indent=2)
+            json.dump({**record, "ratios": ratios, "roofline": floor}, f, indent=2)
 
 
 if __name__ == "__main__":
