@@ -112,7 +112,7 @@ def test_chat_logprobs_and_max_completion_tokens():
     assert params.logprobs is None and params.max_tokens == 100
 
 
-def test_unknown_fields_are_listed_once_sorted_and_only_top_level():
+def test_unknown_fields_are_listed_once_sorted_top_level_and_in_stream_options():
     body = {
         "prompt": "hi",
         "zeta": 1,
@@ -128,6 +128,11 @@ def test_unknown_fields_are_listed_once_sorted_and_only_top_level():
         "echo": True,  # a completions field, unknown to chat
     }
     assert ChatCompletionRequest.model_validate(chat).ignored_fields == ["echo"]
+    # stream_options is where a misspelt usage flag would hide (continuous_usage_stats is known).
+    options = {"include_usage": True, "continuous_usage_stats": True, "include_usages": True}
+    streamed = {"prompt": "hi", "stream": True, "stream_options": options, "zeta": 1}
+    fields = CompletionRequest.model_validate(streamed).ignored_fields
+    assert fields == ["zeta", "stream_options.include_usages"]
 
 
 # -- logprobs shapes ------------------------------------------------------------------------------

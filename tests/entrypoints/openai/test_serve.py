@@ -114,6 +114,37 @@ def test_chat_streaming_equals_whole_with_usage(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_counts_each_choice_so_far(client, endpoint):
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage. The
+    # chunks' logprobs count their tokens (a slow reader may get two steps in one chunk).
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, max_tokens=5, n=2, stream=True, stream_options=options, **GREEDY)
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": "Hi"}]
+        chunks = list(client.chat.completions.create(messages=messages, logprobs=True, **kwargs))
+        assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+        assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0]  # the role deltas
+        chunks = chunks[2:]
+    else:
+        chunks = list(client.completions.create(prompt=PROMPTS[4], logprobs=0, **kwargs))
+    *per_choice, final = chunks
+    prompt_tokens = final.usage.prompt_tokens
+    counted = {0: 0, 1: 0}
+    for chunk in per_choice:
+        (choice,) = chunk.choices
+        logprobs = choice.logprobs
+        counted[choice.index] += len(logprobs.content if endpoint == "chat" else logprobs.tokens)
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        assert chunk.usage.completion_tokens == counted[choice.index]
+        assert chunk.usage.total_tokens == prompt_tokens + counted[choice.index]
+    assert counted == {0: 5, 1: 5}
+    assert final.choices == [] and final.usage.completion_tokens == 10
+    # Without include_usage the flag asks for nothing, as in vLLM.
+    options["include_usage"] = False
+    assert all(c.usage is None for c in client.completions.create(prompt=PROMPTS[4], **kwargs))
+
+
 def test_n_seed_and_sampling(client):
     kwargs = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, n=3, temperature=1.0, seed=7)
     first = client.completions.create(**kwargs)

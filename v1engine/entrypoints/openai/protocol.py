@@ -36,8 +36,9 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-class _TopLevelRequest(_Request):
-    """A whole request body: notes the fields it ignores (one set difference per request)."""
+class _NotesIgnoredFields(_Request):
+    """A request body, or one of its objects whose unknown fields are worth a warning: notes the
+    fields it ignores (one set difference per object)."""
 
     _ignored_fields: list[str] = PrivateAttr(default_factory=list)
 
@@ -55,11 +56,13 @@ class _TopLevelRequest(_Request):
         return self._ignored_fields
 
 
-class StreamOptions(_Request):
+class StreamOptions(_NotesIgnoredFields):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_TopLevelRequest, StructuredFields):
+class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     """The sampling (and constraint) fields both endpoints share; `None` means the OpenAI
     default."""
 
@@ -92,8 +95,21 @@ class _SamplingFields(_TopLevelRequest, StructuredFields):
     prompt_logprobs: int | None = None
 
     @property
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this server does not know, `stream_options`' included."""
+        nested = [] if self.stream_options is None else self.stream_options.ignored_fields
+        return self._ignored_fields + [f"stream_options.{name}" for name in nested]
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries its choice's usage so far (`continuous_usage_stats`,
+        which takes effect with `include_usage` only, as in vLLM)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     @property
     def stop_list(self) -> list[str]:

@@ -25,7 +25,12 @@ from v1engine.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from v1engine.entrypoints.openai.serving_engine import EngineInput, OpenAIServing
-from v1engine.entrypoints.openai.serving_outputs import StreamTally, make_usage, stream_steps
+from v1engine.entrypoints.openai.serving_outputs import (
+    StreamTally,
+    choice_usage,
+    make_usage,
+    stream_steps,
+)
 from v1engine.entrypoints.openai.tool_calls import (
     ToolMode,
     parse_tool_calls,
@@ -99,19 +104,30 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[ChatCompletionChunk]:
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
         # chunk of a choice carries its finish_reason. Tool calls are sent when their choice
-        # ends (their text is read back whole).
-        for index in range(request.n):
-            role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[role])
+        # ends (their text is read back whole). As vLLM, the role deltas go with the first
+        # output, so that they can carry its usage (the prompt's, as the engine counted it).
         tally = StreamTally()
         texts: dict[int, str] = {}
         async for completions in stream_steps(outputs, tally):
+            if tally.num_steps == 1:
+                assert tally.last is not None
+                usage = make_usage(tally.last, 0) if request.continuous_usage else None
+                for index in range(request.n):
+                    role = ChatStreamChoice(
+                        index=index, delta=ChatDelta(role="assistant", content="")
+                    )
+                    yield ChatCompletionChunk(
+                        id=request_id, model=self.model_name, choices=[role], usage=usage
+                    )
             if mode is None:
                 choices = [_stream_choice(completion, request) for completion in completions]
             else:
                 choices = _tool_stream_choices(completions, mode, texts)
             for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
-                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
+                usage = choice_usage(tally, choice.index, request.continuous_usage)
+                yield ChatCompletionChunk(
+                    id=request_id, model=self.model_name, choices=[choice], usage=usage
+                )
         if request.include_usage and tally.last is not None:
             usage = make_usage(tally.last, tally.num_completion_tokens)
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)

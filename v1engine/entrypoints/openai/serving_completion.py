@@ -33,6 +33,7 @@ from v1engine.entrypoints.openai.protocol import (
 from v1engine.entrypoints.openai.serving_engine import EngineInput, EngineRun, OpenAIServing
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
+    choice_usage,
     make_usage,
     merge_async_iterators,
     stream_steps,
@@ -125,8 +126,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 offset = text_offsets.get(index, 0)
                 choice = self._choice(completion, prompt_index, request, echo, offset)
                 text_offsets[index] = offset + len(choice.text)
+                usage = choice_usage(tally, completion.index, request.continuous_usage)
+                if usage is not None and request.scores_prompt_only:
+                    usage = make_usage(tally.last, 0)  # the one token generated is dropped
                 # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
-                yield CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+                yield CompletionResponse(
+                    id=request_id, model=self.model_name, choices=[choice], usage=usage
+                )
         if request.include_usage:
             usages = [
                 make_usage(t.last, 0 if request.scores_prompt_only else t.num_completion_tokens)

@@ -15,11 +15,13 @@ T = TypeVar("T")
 
 
 class StreamTally:
-    """What one engine request's stream has sent so far, for the final usage chunk."""
+    """What one engine request's stream has sent so far, for the usage chunks."""
 
     def __init__(self) -> None:
         self.last: RequestOutput | None = None
         self.num_completion_tokens = 0
+        self.tokens_by_choice: dict[int, int] = {}  # choice (completion) index -> its tokens
+        self.num_steps = 0  # the steps `stream_steps` has yielded
         # Only the first delta carries them; a choice that starts later still needs them.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
@@ -36,9 +38,12 @@ async def stream_steps(
         sendable = []
         for completion in output.outputs:
             tally.num_completion_tokens += len(completion.token_ids)
+            count = tally.tokens_by_choice.get(completion.index, 0) + len(completion.token_ids)
+            tally.tokens_by_choice[completion.index] = count
             if completion.text or completion.finished() or completion.token_ids:
                 sendable.append(completion)
         if sendable:
+            tally.num_steps += 1
             yield sendable
 
 
@@ -72,6 +77,14 @@ def make_usage(output: RequestOutput, num_completion_tokens: int) -> UsageInfo:
         total_tokens=num_prompt_tokens + num_completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
     )
+
+
+def choice_usage(tally: StreamTally, index: int, continuous: bool) -> UsageInfo | None:
+    """A streamed chunk's usage: with vLLM's `continuous_usage_stats` (`continuous`), its
+    choice's so far (the prompt, and the tokens that choice has generated); else none."""
+    if not continuous or tally.last is None:
+        return None
+    return make_usage(tally.last, tally.tokens_by_choice.get(index, 0))
 
 
 def sum_usage(usages: list[UsageInfo]) -> UsageInfo:
