@@ -63,8 +63,11 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-# Says which tools the request gave, and an assistant's calls and the tool's answers.
+# Says which tools the request gave, and an assistant's calls and the tool's answers; `persona`
+# is a variable only chat_template_kwargs set.
 TEMPLATE = """\
+{%- if persona %}PERSONA {{ persona }}
+{% endif %}
 {%- if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}
 {% endif %}
 {%- for m in messages %}<|im_start|>{{ m.role }}
@@ -333,3 +336,30 @@ def test_the_chat_template_renders_tools_calls_and_results(server) -> None:
     assert text.startswith("TOOLS: get_weather get_time<|im_start|>user What is the weather")
     assert 'CALL get_weather {"city": "Paris"}' in text
     assert "<|im_start|>tool RESULT call_1: sunny<|im_end|>" in text
+
+
+def test_the_chat_endpoint_takes_the_template_options_tokenize_takes(server) -> None:
+    partial = MESSAGES + [{"role": "assistant", "content": "It is"}]
+    cases = {
+        "persona": {"messages": MESSAGES, "chat_template_kwargs": {"persona": "a pirate"}},
+        "continued": {
+            "messages": partial,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        "special tokens": {"messages": MESSAGES, "add_special_tokens": True},
+    }
+    with httpx.Client(base_url=server.url, timeout=scaled(60)) as http:
+        texts = {}
+        for name, options in cases.items():
+            tokens = http.post("/tokenize", json={"model": MODEL, **options}).json()["tokens"]
+            body = {"model": MODEL, "max_tokens": 1, **options}
+            reply = http.post("/v1/chat/completions", json=body).json()
+            assert reply["usage"]["prompt_tokens"] == len(tokens), name
+            detokenize = {"model": MODEL, "tokens": tokens}
+            texts[name] = http.post("/detokenize", json=detokenize).json()["prompt"]
+    assert texts["persona"].startswith("PERSONA a pirate\n<|im_start|>user")
+    assert texts["continued"].endswith("<|im_start|>assistant It is")
+    log = server.log_text()
+    for field in ("chat_template_kwargs", "continue_final_message", "add_special_tokens"):
+        assert not re.search(f"but ignored: {{[^}}]*'{field}", log), field

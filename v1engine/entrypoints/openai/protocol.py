@@ -191,7 +191,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's template options, as /tokenize takes them.
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply extends the last (assistant) message
+    add_special_tokens: bool = False  # the template writes those it wants (BOS, role markers)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: bool = True

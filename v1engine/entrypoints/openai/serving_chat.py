@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from v1engine.engine.processor import Processor
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.logprobs import prompt_logprobs_field, sampled_logprobs
 from v1engine.entrypoints.openai.protocol import (
@@ -24,6 +25,7 @@ from v1engine.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
 from v1engine.entrypoints.openai.serving_engine import EngineInput, OpenAIServing
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
@@ -84,16 +86,7 @@ class OpenAIServingChat(OpenAIServing):
     def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         if not request.messages:
             raise APIError("messages must not be empty", param="messages")
-        messages = [_as_template_message(message) for message in request.messages]
-        try:
-            return self.engine.processor.render_chat(
-                messages,
-                request.add_generation_prompt,
-                tools=template_tools(request.tools),
-                chat_template=self.options.chat_template,
-            )
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+        return render_messages(self.engine.processor, request, self.options.chat_template)
 
     async def _stream_chunks(
         self,
@@ -181,6 +174,32 @@ def _tool_stream_choices(
             )
         )
     return choices
+
+
+def render_messages(
+    processor: Processor,
+    request: ChatCompletionRequest | TokenizeRequest,
+    chat_template: str | None,
+) -> tuple[str, list[int]]:
+    """`(text, token ids)` of the request's messages through the chat template, with its
+    template options: what the chat endpoint generates from, and what /tokenize counts.
+
+    Raises:
+        APIError: 400 naming `messages` when the template cannot render them.
+    """
+    messages = [_as_template_message(message) for message in request.messages or []]
+    try:
+        return processor.render_chat(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            add_special_tokens=bool(request.add_special_tokens),  # /tokenize's None: False
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=template_tools(request.tools),
+            chat_template=chat_template,
+        )
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from e
 
 
 def _as_template_message(message: ChatMessage) -> dict[str, Any]:

@@ -18,9 +18,8 @@ from v1engine.entrypoints.openai.protocol_tokenize import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from v1engine.entrypoints.openai.serving_chat import _as_template_message
+from v1engine.entrypoints.openai.serving_chat import render_messages
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing
-from v1engine.entrypoints.openai.tool_calls import template_tools
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -75,17 +74,5 @@ class OpenAIServingTokenization(OpenAIServing):
         if request.prompt is not None:
             add_special_tokens = request.add_special_tokens is not False
             return self.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
-        messages = [_as_template_message(message) for message in request.messages or []]
-        try:
-            _, token_ids = self.engine.processor.render_chat(
-                messages,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                add_special_tokens=bool(request.add_special_tokens),
-                chat_template_kwargs=request.chat_template_kwargs,
-                tools=template_tools(request.tools),
-                chat_template=self.options.chat_template,
-            )
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+        _, token_ids = render_messages(self.engine.processor, request, self.options.chat_template)
         return token_ids
