@@ -1,6 +1,7 @@
 """vLLM's sampling fields end to end through `LLM` (and once through `AsyncLLM` over the socket):
 logit_bias, allowed_token_ids, bad_words, min_tokens, skip_special_tokens and
-truncate_prompt_tokens change what is generated; invalid values name the field.
+truncate_prompt_tokens change what is generated; invalid values name the field. And `LLM.chat`'s
+template options (vLLM's keywords) reach the template.
 
 A random 2-layer llama with SmolLM2's tokenizer, so bad words and special tokens are real text.
 """
@@ -213,3 +214,27 @@ def test_bad_words_without_a_tokenizer_are_refused(checkpoint):
         # Token-id fields need none.
         output = llm.generate([[5, 6]], greedy(max_tokens=3, logit_bias={7: 100.0}), use_tqdm=False)
         assert output[0].outputs[0].token_ids == [7, 7, 7]
+
+
+def test_chat_takes_vllms_template_options(llm) -> None:
+    conversation = [{"role": "user", "content": "Tell me a story"}]
+    params = greedy(max_tokens=2)
+    [plain] = llm.chat(conversation, params, use_tqdm=False)
+    assert plain.prompt.endswith("Tell me a story<|im_end|>\n<|im_start|>assistant\n")
+    partial = [*conversation, {"role": "assistant", "content": "Once upon a"}]
+    [continued] = llm.chat(
+        partial, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert continued.prompt.endswith("<|im_start|>assistant\nOnce upon a")
+    template = "{{ persona }}:{% for m in messages %} {{ m.content }}{% endfor %}"
+    [templated] = llm.chat(
+        [conversation, partial],  # a list of conversations, one output each
+        params,
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"persona": "pirate"},
+    )[1:]
+    assert templated.prompt == "pirate: Tell me a story Once upon a"
+    assert len(templated.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="cannot apply the chat template.*continue_final_message"):
+        llm.chat(partial, params, use_tqdm=False, continue_final_message=True)

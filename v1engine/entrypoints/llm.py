@@ -85,15 +85,34 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of them, via the chat template."""
+        """Generates replies to one conversation or a list of them, via the chat template
+        (`chat_template`, else the model's), with vLLM's template options: open an assistant turn
+        or extend the last message, `tools` and further variables for the template.
+
+        Raises:
+            ValueError: the template cannot render a conversation, or a bad sampling value.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text, token_ids = self.processor.render_chat(conversation)
+            text, token_ids = self.processor.render_chat(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+                chat_template=chat_template,
+            )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
