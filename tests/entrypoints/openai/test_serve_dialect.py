@@ -162,8 +162,11 @@ def test_every_vllm_sampling_field_is_accepted(server, client):
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": 5,
+        "priority": 0,  # first come, first served: the one priority there is
+        "use_beam_search": False,
     }
     kwargs = dict(model=MODEL, max_tokens=3, seed=1, logit_bias={"150": 5}, extra_body=extra)
+    kwargs["user"] = "user-1234"  # OpenAI's end-user id: accepted, unused
     num_warnings = server.log_text().count("ignored:")
     out = client.completions.create(prompt=PROMPT, **kwargs)
     assert out.usage.completion_tokens == 3
@@ -185,8 +188,20 @@ def test_every_vllm_sampling_field_is_accepted(server, client):
         ({"logit_bias": {"not-a-token": 1}}, "logit_bias", "logit_bias"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "stream"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs", "--max-logprobs"),
+        ({"extra_body": {"priority": 1}}, "priority", "first come, first served"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search", "beam search"),
     ],
-    ids=["best_of", "suffix", "stream_options", "max_tokens 0", "logit_bias", "plp+stream", "plp"],
+    ids=[
+        "best_of",
+        "suffix",
+        "stream_options",
+        "max_tokens 0",
+        "logit_bias",
+        "plp+stream",
+        "plp",
+        "priority",
+        "beam search",
+    ],
 )
 def test_fields_it_cannot_honour_are_400s_naming_them(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError, match=words) as info:

@@ -79,6 +79,10 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     # OpenAI's JSON object of token id (a string) -> bias; a key that is not an integer is a 400.
     logit_bias: dict[Int64, float] | None = None
     best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
+    user: str | None = None  # OpenAI's end-user id: accepted and unused, as in vLLM
+    # vLLM's, refused when set: this server schedules first come, first served, and samples.
+    priority: int = 0
+    use_beam_search: bool = False
     # vLLM's extras.
     top_k: Int64 = 0
     min_p: float = 0.0

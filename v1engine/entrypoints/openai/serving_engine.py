@@ -111,6 +111,18 @@ class OpenAIServing:
             raise APIError(
                 f"best_of is not supported, got {request.best_of}; use n", param="best_of"
             )
+        if request.priority != 0:
+            raise APIError(
+                f"priority is not supported, got {request.priority}: this server schedules "
+                "first come, first served; send 0 or drop the field",
+                param="priority",
+            )
+        if request.use_beam_search:
+            raise APIError(
+                "beam search is not supported; drop use_beam_search (n > 1 samples several "
+                "completions)",
+                param="use_beam_search",
+            )
         if request.stream_options is not None and not request.stream:
             raise APIError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
