@@ -44,6 +44,10 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False
     hf_config: Any = None
+    # Where sampling defaults come from ("auto": the model's generation_config.json, "vllm":
+    # none, or a folder), and what `EngineArgs.create_engine_config` read there.
+    generation_config: str = "auto"
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)

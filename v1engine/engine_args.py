@@ -51,27 +51,17 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     seed: int = 0
     enforce_eager: bool = False
+    # vLLM's: "auto" takes the model's generation_config.json sampling defaults, "vllm" none,
+    # a folder that folder's file (`engine/generation_defaults.py`).
+    generation_config: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
-        hf_config = None
-        max_model_len = self.max_model_len or 2048
-        if self.model is not None:
-            from v1engine.model.hf_config import load_hf_config, resolve_max_model_len
-
-            hf_config = load_hf_config(self.model)
-            max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        model_config = self._model_config()
+        hf_config, max_model_len = model_config.hf_config, model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
         config = EngineConfig(
-            model_config=ModelConfig(
-                model=self.model,
-                tokenizer=self.tokenizer,
-                dtype=self.dtype,
-                max_model_len=max_model_len,
-                seed=self.seed,
-                enforce_eager=self.enforce_eager,
-                hf_config=hf_config,
-            ),
+            model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -99,6 +89,30 @@ class EngineArgs:
             get_architecture(hf_config)  # an unsupported architecture fails here, in-process
             check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
         return config
+
+    def _model_config(self) -> ModelConfig:
+        """The model's part: its transformers config, the context length resolved against it,
+        and the sampling defaults of its generation_config.json."""
+        from v1engine.engine.generation_defaults import load_sampling_defaults
+
+        hf_config = None
+        max_model_len = self.max_model_len or 2048
+        if self.model is not None:
+            from v1engine.model.hf_config import load_hf_config, resolve_max_model_len
+
+            hf_config = load_hf_config(self.model)
+            max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
+        return ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=max_model_len,
+            seed=self.seed,
+            enforce_eager=self.enforce_eager,
+            hf_config=hf_config,
+            generation_config=self.generation_config,
+            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+        )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

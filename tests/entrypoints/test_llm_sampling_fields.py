@@ -1,7 +1,8 @@
 """vLLM's sampling fields end to end through `LLM` (and once through `AsyncLLM` over the socket):
 logit_bias, allowed_token_ids, bad_words, min_tokens, skip_special_tokens and
 truncate_prompt_tokens change what is generated; invalid values name the field. And `LLM.chat`'s
-template options (vLLM's keywords) reach the template.
+template options (vLLM's keywords) reach the template, and `generation_config` gives the
+sampling defaults.
 
 A random 2-layer llama with SmolLM2's tokenizer, so bad words and special tokens are real text.
 """
@@ -9,6 +10,7 @@ A random 2-layer llama with SmolLM2's tokenizer, so bad words and special tokens
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from transformers import AutoTokenizer
@@ -238,3 +240,16 @@ def test_chat_takes_vllms_template_options(llm) -> None:
     assert len(templated.outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="cannot apply the chat template.*continue_final_message"):
         llm.chat(partial, params, use_tqdm=False, continue_final_message=True)
+
+
+def test_generate_without_params_takes_the_generation_configs_defaults(checkpoint, tmp_path):
+    # A greedy default and a cap of 4 tokens, from a folder given as generation_config.
+    values = {"temperature": 0.0, "max_new_tokens": 4}
+    (tmp_path / "generation_config.json").write_text(json.dumps(values))
+    with LLM(checkpoint, generation_config=str(tmp_path), **_ENGINE_ARGS) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=4)
+        [plain] = llm.generate([PROMPT], use_tqdm=False)
+        [greedy4] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4), False)
+        assert plain.outputs[0].token_ids == greedy4.outputs[0].token_ids
+        [again] = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+        assert len(again.outputs[0].token_ids) <= 4

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
+from v1engine.engine.generation_defaults import describe
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
+from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from v1engine.core.engine_core import EngineCore
+
+logger = init_logger(__name__)
 
 
 class LLM:
@@ -42,6 +46,8 @@ class LLM:
 
             model = default_model_path()
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
+        if self.config.model_config.sampling_defaults:
+            logger.info(describe(self.config.model_config))
         with BackgroundTokenizerLoad(self.config.model_config, skip_tokenizer_init) as loading:
             self.client = EngineCoreClient.make_client(
                 self.config, multiprocess=False, asyncio_mode=False
@@ -74,6 +80,8 @@ class LLM:
             ValueError: a bad prompt or sampling value; no request of this call is left running.
         """
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         request_ids = self._add_requests(prompts, params)
         try:
@@ -115,6 +123,11 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling params: the model's recommended
+        ones from its generation_config.json (see `generation_config`), else SamplingParams()."""
+        return SamplingParams(**self.config.model_config.sampling_defaults)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer prompts go through (None with `skip_tokenizer_init`)."""
@@ -195,10 +208,8 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    params: SamplingParams | Sequence[SamplingParams], num_prompts: int
 ) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * num_prompts
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
     if len(params) != num_prompts:

@@ -1,7 +1,8 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`, and `GET /v1/models/{id}`, against a real
 server (tiny random llama with SmolLM2's tokenizer and chat template): the ids are the tokenizer's
 own, chat messages are rendered exactly as /v1/chat/completions renders them, and text and chats
-round-trip through detokenize.
+round-trip through detokenize. The same server takes its sampling defaults from a
+`--generation-config` folder.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    # Sampling defaults (top_k 1, at most 7 tokens) from a folder given as --generation-config.
+    generation = tmp_path_factory.mktemp("generation")
+    (generation / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 7}')
     args = ("--api-key", API_KEY, "--served-model-name", MODEL)
+    args += ("--generation-config", str(generation))
     yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
 
 
@@ -116,3 +121,24 @@ def test_retrieve_a_model(server):
     assert info.value.body["code"] == 404 and info.value.body["param"] == "model"
     # Under /v1, so behind the API key (the tokenizer endpoints are not).
     assert httpx.get(server.url + f"/v1/models/{MODEL}").status_code == 401
+
+
+def test_requests_take_the_generation_configs_defaults(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    def complete(**kwargs):
+        extra = {"ignore_eos": True, **kwargs.pop("extra_body", {})}
+        return client.completions.create(model=MODEL, prompt="Once", extra_body=extra, **kwargs)
+
+    greedy = complete(temperature=0.0)
+    assert greedy.usage.completion_tokens == 7  # completions' default 16, capped
+    assert complete(temperature=0.0, max_tokens=3).usage.completion_tokens == 3
+    # top_k 1 unless the request sets its own: sampling at temperature 1 is greedy, any seed.
+    sampled = {complete(temperature=1.0, seed=seed).choices[0].text for seed in range(3)}
+    assert sampled == {greedy.choices[0].text}
+    free = {
+        complete(temperature=1.0, seed=seed, extra_body={"top_k": 0}).choices[0].text
+        for seed in range(3)
+    }
+    assert len(free) > 1
+    assert "generation_config.json: max_tokens=7, top_k=1 (for requests" in server.log_text()

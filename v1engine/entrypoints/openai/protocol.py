@@ -11,6 +11,7 @@ Beside OpenAI's fields, requests take vLLM's sampling extras (`top_k`, `min_p`, 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -84,9 +85,10 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     priority: int = 0
     use_beam_search: bool = False
     # vLLM's extras.
-    top_k: Int64 = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: the model's generation_config.json value if it has one, else SamplingParams'.
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -120,16 +122,27 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        defaults: Mapping[str, Any],
     ) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+        """`defaults`: the model's sampling defaults (`engine/generation_defaults.py`) for the
+        fields this request leaves out; their `max_tokens` caps the request's.
+
+        Raises ValueError naming the field when a value is out of range."""
+        cap = defaults.get("max_tokens")
+        if cap is not None and (max_tokens is None or max_tokens > cap):
+            max_tokens = cap
+        fallback = {**_SAMPLING_DEFAULTS, **defaults}
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=_given_or(self.temperature, fallback["temperature"]),
+            top_p=_given_or(self.top_p, fallback["top_p"]),
+            top_k=_given_or(self.top_k, fallback["top_k"]),
+            min_p=_given_or(self.min_p, fallback["min_p"]),
             seed=self.seed,
             stop=self.stop_list,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -139,7 +152,7 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=_given_or(self.repetition_penalty, fallback["repetition_penalty"]),
             min_tokens=self.min_tokens,
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
             allowed_token_ids=_copy(self.allowed_token_ids),
@@ -148,6 +161,20 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+
+# What a request that leaves these out gets from a model without sampling defaults.
+_SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _given_or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def _copy(values: list | None) -> list | None:
@@ -166,7 +193,9 @@ class CompletionRequest(_SamplingFields):
         """`echo` with `max_tokens: 0`: the prompt (and its logprobs), nothing generated."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         if self.scores_prompt_only:
             # SamplingParams needs >= 1 token: the server asks for one and drops it.
@@ -175,7 +204,7 @@ class CompletionRequest(_SamplingFields):
         if prompt_logprobs is None and self.echo:
             # The echoed prompt's logprobs are prompt logprobs (as vLLM asks for them).
             prompt_logprobs = self.logprobs
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults or {})
 
 
 class ChatMessage(_Request):
@@ -204,12 +233,14 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: bool = True
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults or {})
 
 
 # -- responses ----------------------------------------------------------------------------------

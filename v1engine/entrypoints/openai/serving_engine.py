@@ -84,6 +84,11 @@ class OpenAIServing:
         self.limits = limits
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's generation_config.json values, for fields a request leaves out."""
+        return self.engine.config.model_config.sampling_defaults
+
+    @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
@@ -182,7 +187,9 @@ class OpenAIServing:
                 param="messages" if hasattr(request, "messages") else "prompt",
             )
         try:
-            params = request.to_sampling_params(self.max_model_len - num_prompt_tokens)
+            params = request.to_sampling_params(
+                self.max_model_len - num_prompt_tokens, self.sampling_defaults
+            )
             if structured_outputs is not None:
                 params = dataclasses.replace(params, structured_outputs=structured_outputs)
         except ValueError as e:

@@ -20,6 +20,7 @@ from typing import Any
 
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.core_client import EngineCoreClient
+from v1engine.engine.generation_defaults import describe
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
 from v1engine.process import install_sigterm_handler
@@ -49,6 +50,8 @@ def run_server(args: argparse.Namespace) -> int:
 
         engine_args.model = default_model_path()
     config = engine_args.create_engine_config()
+    if config.model_config.sampling_defaults:
+        logger.info(describe(config.model_config))
     names = served_model_names(args.served_model_name, args.model, engine_args.model)
     sock = bind_socket(args.host, args.port)
     try:
