@@ -132,17 +132,22 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
         fields this request leaves out; their `max_tokens` caps the request's.
 
         Raises ValueError naming the field when a value is out of range."""
-        cap = defaults.get("max_tokens")
+        defaults = dict(defaults)
+        cap = defaults.pop("max_tokens", None)
         if cap is not None and (max_tokens is None or max_tokens > cap):
             max_tokens = cap
-        fallback = {**_SAMPLING_DEFAULTS, **defaults}
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        # Each left out: the model's default, else SamplingParams' own.
+        chosen = {**defaults, **{name: v for name, v in given.items() if v is not None}}
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
-            temperature=_given_or(self.temperature, fallback["temperature"]),
-            top_p=_given_or(self.top_p, fallback["top_p"]),
-            top_k=_given_or(self.top_k, fallback["top_k"]),
-            min_p=_given_or(self.min_p, fallback["min_p"]),
             seed=self.seed,
             stop=self.stop_list,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -152,7 +157,6 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=_given_or(self.repetition_penalty, fallback["repetition_penalty"]),
             min_tokens=self.min_tokens,
             logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
             allowed_token_ids=_copy(self.allowed_token_ids),
@@ -160,21 +164,8 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            **chosen,
         )
-
-
-# What a request that leaves these out gets from a model without sampling defaults.
-_SAMPLING_DEFAULTS = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-}
-
-
-def _given_or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 def _copy(values: list | None) -> list | None:
