@@ -148,7 +148,7 @@ def test_echoed_prompt_rows_start_without_a_logprob_and_offsets_run_on():
         # The prompt's own token ranks 3rd; the top-1 is another one.
         _row({12: (-float("inf"), 3, " c"), 99: (-0.1, 1, " z")}),
     ]
-    rows = prompt_rows(prompt_token_ids, prompt_logprobs, lambda token_id: "a")
+    rows = prompt_rows(prompt_token_ids, prompt_logprobs, lambda token_id: "a", False)
     assert [r.token for r in rows] == ["a", " b", " c"]
     assert [r.logprob for r in rows] == [None, -0.5, -9999.0]  # -inf is not JSON
     assert rows[0].top_logprobs is None

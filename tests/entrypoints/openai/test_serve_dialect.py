@@ -8,6 +8,7 @@ honour, and the one warning for fields it does not know. One server serves the w
 from __future__ import annotations
 
 import math
+import re
 
 import openai
 import pytest
@@ -289,3 +290,24 @@ def test_allowed_token_ids_restrict_every_token(client, tokenizer):
     for piece in pieces:
         text = text.replace(piece, "")
     assert text == "" and out.usage.completion_tokens == 6
+
+
+# -- logprobs that name tokens by id ------------------------------------------------------------
+def test_return_tokens_as_token_ids_names_every_logprobs_token_by_id(client, tokenizer):
+    as_ids = {"return_tokens_as_token_ids": True}
+    by_text = _complete(client, PROMPT, logprobs=2, echo=True).choices[0].logprobs
+    by_id = _complete(client, PROMPT, logprobs=2, echo=True, extra_body=as_ids).choices[0].logprobs
+    ids = [int(re.fullmatch(r"token_id:(\d+)", token).group(1)) for token in by_id.tokens]
+    assert ids[: len(tokenizer.encode(PROMPT))] == tokenizer.encode(PROMPT)  # echoed, then 5
+    assert [tokenizer.decode([i]) for i in ids] == by_text.tokens
+    assert by_id.token_logprobs == by_text.token_logprobs
+    for top_by_id, top_by_text in zip(by_id.top_logprobs[1:], by_text.top_logprobs[1:]):
+        names = [tokenizer.decode([int(key.removeprefix("token_id:"))]) for key in top_by_id]
+        assert set(names) == set(top_by_text) and len(top_by_id) >= len(top_by_text)
+    messages = [{"role": "user", "content": PROMPT}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=3, temperature=0.0, logprobs=True)
+    chat = client.chat.completions.create(top_logprobs=2, extra_body=as_ids, **kwargs)
+    for entry in chat.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", entry.token)
+        assert bytes(entry.bytes) == entry.token.encode()
+        assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)

@@ -27,25 +27,34 @@ class LogprobRow:
 
 def sampled_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob]]
-) -> list[tuple[Logprob, list[Logprob]]]:
-    """Per token: its own Logprob and every candidate of its row, best rank first."""
+) -> list[tuple[tuple[int, Logprob], list[tuple[int, Logprob]]]]:
+    """Per token: (its id, its Logprob) and every candidate of its row as (id, Logprob), best
+    rank first."""
     rows = []
     for token_id, row in zip(token_ids, logprobs):
-        ranked = sorted(row.values(), key=lambda lp: lp.rank if lp.rank is not None else 0)
-        rows.append((row[token_id], ranked))
+        ranked = sorted(row.items(), key=lambda item: item[1].rank or 0)
+        rows.append(((token_id, row[token_id]), ranked))
     return rows
 
 
-def generated_rows(output: CompletionOutput) -> list[LogprobRow]:
+def token_name(token_id: int, decoded: str | None, as_ids: bool) -> str:
+    """How a logprobs entry names its token: its text, or with vLLM's
+    `return_tokens_as_token_ids` "token_id:{id}" (unique, where two tokens may decode alike, and
+    valid JSON where a token is part of a UTF-8 character)."""
+    return f"token_id:{token_id}" if as_ids else (decoded or "")
+
+
+def generated_rows(output: CompletionOutput, as_ids: bool) -> list[LogprobRow]:
     assert output.logprobs is not None
     pairs = sampled_logprobs(output.token_ids, output.logprobs)
-    return [_row(own, ranked) for own, ranked in pairs]
+    return [_row(own, ranked, as_ids) for own, ranked in pairs]
 
 
 def prompt_rows(
     prompt_token_ids: list[int],
     prompt_logprobs: list[dict[int, Logprob] | None],
     decode: Callable[[int], str],
+    as_ids: bool,
 ) -> list[LogprobRow]:
     """The echoed prompt's rows; the first token (nothing before it) has neither logprob nor
     alternatives, as in OpenAI's and vLLM's answers."""
@@ -53,15 +62,17 @@ def prompt_rows(
     rows = []
     for token_id, row in zip(prompt_token_ids, prompt_logprobs):
         if row is None:
-            rows.append(LogprobRow(decode(token_id), None, None))
+            name = f"token_id:{token_id}" if as_ids else decode(token_id)
+            rows.append(LogprobRow(name, None, None))
         else:
-            rows.extend(_row(own, ranked) for own, ranked in sampled_logprobs([token_id], [row]))
+            pairs = sampled_logprobs([token_id], [row])
+            rows.extend(_row(own, ranked, as_ids) for own, ranked in pairs)
     return rows
 
 
-def _row(own: Logprob, ranked: list[Logprob]) -> LogprobRow:
-    top = {lp.decoded_token or "": _finite(lp.logprob) for lp in ranked}
-    return LogprobRow(own.decoded_token or "", _finite(own.logprob), top)
+def _row(own: tuple[int, Logprob], ranked: list[tuple[int, Logprob]], as_ids: bool) -> LogprobRow:
+    top = {token_name(i, lp.decoded_token, as_ids): finite(lp.logprob) for i, lp in ranked}
+    return LogprobRow(token_name(own[0], own[1].decoded_token, as_ids), finite(own[1].logprob), top)
 
 
 def completion_logprobs(rows: list[LogprobRow], text_offset: int) -> CompletionLogprobs:
@@ -87,7 +98,7 @@ def prompt_logprobs_field(
         if row is None
         else {
             str(token_id): PromptLogprob(
-                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+                logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
             )
             for token_id, lp in row.items()
         }
@@ -95,5 +106,6 @@ def prompt_logprobs_field(
     ]
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a token ruled out) as -9999.0, as vLLM sends it."""
     return max(logprob, _LOWEST_LOGPROB)

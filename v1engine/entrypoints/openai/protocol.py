@@ -99,6 +99,8 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    # Logprobs name their tokens "token_id:{id}" instead of by text.
+    return_tokens_as_token_ids: bool = False
 
     @property
     def ignored_fields(self) -> list[str]:

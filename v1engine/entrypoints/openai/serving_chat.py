@@ -11,7 +11,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from v1engine.engine.processor import Processor
 from v1engine.entrypoints.openai.errors import APIError
-from v1engine.entrypoints.openai.logprobs import prompt_logprobs_field, sampled_logprobs
+from v1engine.entrypoints.openai.logprobs import (
+    finite,
+    prompt_logprobs_field,
+    sampled_logprobs,
+    token_name,
+)
 from v1engine.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -41,7 +46,7 @@ from v1engine.entrypoints.openai.tool_calls import (
     tool_call_deltas,
     tool_mode,
 )
-from v1engine.outputs import CompletionOutput, RequestOutput
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -235,14 +240,15 @@ def _chat_logprobs(output: CompletionOutput, request: ChatCompletionRequest) -> 
     if output.logprobs is None:
         return None
     num_top = request.top_logprobs or 0
+    as_ids = request.return_tokens_as_token_ids
     content = []
     for sampled, ranked in sampled_logprobs(output.token_ids, output.logprobs):
-        top = [_top_logprob(lp.decoded_token, lp.logprob) for lp in ranked[:num_top]]
-        token = _top_logprob(sampled.decoded_token, sampled.logprob)
+        top = [_top_logprob(token_id, lp, as_ids) for token_id, lp in ranked[:num_top]]
+        token = _top_logprob(*sampled, as_ids)
         content.append(ChatTokenLogprob(**token.model_dump(), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
-def _top_logprob(token: str | None, logprob: float) -> TopLogprob:
-    token = token or ""
-    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+def _top_logprob(token_id: int, logprob: Logprob, as_ids: bool) -> TopLogprob:
+    token = token_name(token_id, logprob.decoded_token, as_ids)
+    return TopLogprob(token=token, logprob=finite(logprob.logprob), bytes=list(token.encode()))

@@ -157,7 +157,12 @@ class OpenAIServingCompletion(OpenAIServing):
         rows = []
         if request.logprobs is not None:
             assert prompt_logprobs is not None, "echo with logprobs asks for prompt_logprobs"
-            rows = prompt_rows(output.prompt_token_ids, prompt_logprobs, self._decode_token)
+            rows = prompt_rows(
+                output.prompt_token_ids,
+                prompt_logprobs,
+                self._decode_token,
+                request.return_tokens_as_token_ids,
+            )
         return _Echo(text, rows)
 
     def _decode_token(self, token_id: int) -> str:
@@ -174,7 +179,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.scores_prompt_only:
             completion = _without_generated(completion)
         text = completion.text
-        rows = [] if completion.logprobs is None else generated_rows(completion)
+        as_ids = request.return_tokens_as_token_ids
+        rows = [] if completion.logprobs is None else generated_rows(completion, as_ids)
         if echo is not None:
             text, rows = echo.text + text, echo.rows + rows
         logprobs = None
