@@ -62,8 +62,7 @@ def prompt_rows(
     rows = []
     for token_id, row in zip(prompt_token_ids, prompt_logprobs):
         if row is None:
-            name = f"token_id:{token_id}" if as_ids else decode(token_id)
-            rows.append(LogprobRow(name, None, None))
+            rows.append(LogprobRow(token_name(token_id, decode(token_id), as_ids), None, None))
         else:
             pairs = sampled_logprobs([token_id], [row])
             rows.extend(_row(own, ranked, as_ids) for own, ranked in pairs)
