@@ -4,6 +4,7 @@ in the same run."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import subprocess
@@ -36,22 +37,43 @@ def cuda_machine_info() -> dict:
     }
 
 
-def read_bandwidth_gb_s(threads: int) -> float:
-    """GB/s that `threads` threads read at: summing 1 GiB of float32, best of 5."""
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op pool at `threads` threads while inside, then as it was."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        data = torch.ones(256 << 20)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - start)
-        return data.numel() * 4 / best / 1e9
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def best_seconds(call, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls of `call()`."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def read_bandwidth_gb_s(threads: int) -> float:
+    """GB/s that `threads` threads read at: summing 1 GiB of float32, best of 5."""
+    import torch
+
+    with torch_threads(threads):
+        data = torch.ones(256 << 20)
+        return data.numel() * 4 / best_seconds(data.sum) / 1e9
+
+
+def onednn_linear(x, weight):
+    """oneDNN's linear (what the engine runs prefills with on non-Intel CPUs)."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def matmul_peak_gflop_s(threads: int, dtype, in_features: int, out_features: int) -> float:
@@ -61,25 +83,14 @@ def matmul_peak_gflop_s(threads: int, dtype, in_features: int, out_features: int
     import torch
     import torch.nn.functional as F
 
-    def onednn(x, w):
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads), torch.inference_mode():
         x = torch.randn(2048, in_features).to(dtype)
         weight = torch.randn(out_features, in_features).to(dtype)
         best = float("inf")
-        with torch.inference_mode():
-            for matmul in (F.linear, onednn):
-                matmul(x, weight)  # warm-up: oneDNN builds its kernel on a shape's first call
-                for _ in range(5):
-                    start = time.perf_counter()
-                    matmul(x, weight)
-                    best = min(best, time.perf_counter() - start)
+        for matmul in (F.linear, onednn_linear):
+            matmul(x, weight)  # warm-up: oneDNN builds its kernel on a shape's first call
+            best = min(best, best_seconds(functools.partial(matmul, x, weight)))
         return 2 * x.shape[0] * in_features * out_features / best / 1e9
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextmanager

@@ -38,6 +38,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _bench_utils import onednn_linear
 from _kernel_builds import Kernel, build
 
 from v1engine.model.layers import cpu_kernels
@@ -52,12 +53,8 @@ SHAPES = (
 )
 
 
-def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 # Ours are added by add_builds, called as the engine calls them (_kernel_builds.build).
-KERNELS = {"F.linear": Kernel(F.linear), "oneDNN": Kernel(onednn)}
+KERNELS = {"F.linear": Kernel(F.linear), "oneDNN": Kernel(onednn_linear)}
 NUM_LAYERS = 30  # SmolLM2-135M's, for the per-step sums
 
 

@@ -106,8 +106,10 @@ class OpenAIServingChat(OpenAIServing):
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
         tally = StreamTally()
         texts: dict[int, str] = {}
+        opened = False
         async for completions in stream_steps(outputs, tally):
-            if tally.num_steps == 1:
+            if not opened:
+                opened = True
                 assert tally.last is not None
                 usage = make_usage(tally.last, 0) if request.continuous_usage else None
                 for index in range(request.n):

@@ -19,11 +19,14 @@ class StreamTally:
 
     def __init__(self) -> None:
         self.last: RequestOutput | None = None
-        self.num_completion_tokens = 0
         self.tokens_by_choice: dict[int, int] = {}  # choice (completion) index -> its tokens
-        self.num_steps = 0  # the steps `stream_steps` has yielded
         # Only the first delta carries them; a choice that starts later still needs them.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """The tokens all choices have generated so far."""
+        return sum(self.tokens_by_choice.values())
 
 
 async def stream_steps(
@@ -37,13 +40,11 @@ async def stream_steps(
             tally.prompt_logprobs = output.prompt_logprobs
         sendable = []
         for completion in output.outputs:
-            tally.num_completion_tokens += len(completion.token_ids)
             count = tally.tokens_by_choice.get(completion.index, 0) + len(completion.token_ids)
             tally.tokens_by_choice[completion.index] = count
             if completion.text or completion.finished() or completion.token_ids:
                 sendable.append(completion)
         if sendable:
-            tally.num_steps += 1
             yield sendable
 
 
