@@ -140,9 +140,11 @@ def test_continuous_usage_counts_each_choice_so_far(client, endpoint):
         assert chunk.usage.total_tokens == prompt_tokens + counted[choice.index]
     assert counted == {0: 5, 1: 5}
     assert final.choices == [] and final.usage.completion_tokens == 10
-    # Without include_usage the flag asks for nothing, as in vLLM.
+    # Without include_usage vLLM sends no usage at all; here that is a 400 naming the options.
     options["include_usage"] = False
-    assert all(c.usage is None for c in client.completions.create(prompt=PROMPTS[4], **kwargs))
+    with pytest.raises(openai.BadRequestError, match="send include_usage: true") as info:
+        client.completions.create(prompt=PROMPTS[4], **kwargs)
+    assert info.value.body["param"] == "stream_options"
 
 
 def test_n_seed_and_sampling(client):

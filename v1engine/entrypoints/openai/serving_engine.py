@@ -128,9 +128,16 @@ class OpenAIServing:
                 "completions)",
                 param="use_beam_search",
             )
-        if request.stream_options is not None and not request.stream:
+        options = request.stream_options
+        if options is not None and not request.stream:
             raise APIError(
                 "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+        if options is not None and options.continuous_usage_stats and not options.include_usage:
+            raise APIError(
+                "stream_options.continuous_usage_stats adds usage to every chunk only with "
+                "include_usage; send include_usage: true as well",
+                param="stream_options",
             )
         if request.prompt_logprobs is not None and request.stream:
             # As vLLM: prompt logprobs come whole, with the response, never streamed.
