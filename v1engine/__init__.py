@@ -19,7 +19,7 @@ from v1engine.config import (
     SchedulerConfig,
 )
 from v1engine.engine_args import EngineArgs
-from v1engine.sampling_params import SamplingParams
+from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from v1engine.core.engine_core import EngineCore
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CacheConfig",
     "DeviceConfig",
     "EngineArgs",

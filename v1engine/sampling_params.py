@@ -4,6 +4,7 @@ field, the value and the allowed range.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from v1engine.structured_outputs.params import StructuredOutputsParams
@@ -136,6 +137,40 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
 
+@dataclass
+class BeamSearchParams:
+    """How `LLM.beam_search` (and `use_beam_search` in the API) searches: keep the `beam_width`
+    most likely sequences, extend each by its `2 * beam_width` most likely next tokens per step,
+    for at most `max_tokens` steps. vLLM's names and defaults.
+
+    A sequence's score is its cumulative logprob / its length ** `length_penalty`, the length
+    counting prompt and output tokens but not a final EOS (vLLM's rule): above 1 favours longer
+    sequences. `temperature` samples one more candidate per beam and step; 0 keeps the search
+    deterministic. The EOS ends a beam (kept in its tokens with `include_stop_str_in_output`)
+    unless `ignore_eos`.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        name = "BeamSearchParams"
+        _check(self.beam_width >= 1, "beam_width", self.beam_width, "must be >= 1", name)
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1", name)
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0", name)
+        _check(
+            math.isfinite(self.length_penalty),
+            "length_penalty",
+            self.length_penalty,
+            "must be a finite number",
+            name,
+        )
+
+
 def _int_keys(logit_bias: dict) -> dict[int, float]:
     # JSON objects have string keys: {"50256": -100} means token 50256.
     try:
@@ -146,6 +181,6 @@ def _int_keys(logit_bias: dict) -> dict[int, float]:
         ) from e
 
 
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
+def _check(ok: bool, name: str, value: object, rule: str, owner: str = "SamplingParams") -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise ValueError(f"{owner}.{name} {rule}, got {value!r}")

@@ -35,3 +35,23 @@ def token_ids(outputs) -> list[list[int]]:
 def all_blocks_free(llm: LLM) -> bool:
     pool = llm.engine_core.scheduler.kv_cache_manager.block_pool
     return pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+def hf_beam_search(
+    model, prompt: list[int], width: int, max_tokens: int
+) -> list[tuple[list[int], float]]:
+    """vLLM's beam search without EOS, spelled out over transformers' logits: each step extends
+    every beam by its 2 * width most likely tokens and keeps the `width` best by cumulative
+    logprob (all beams have one length, so length_penalty cannot reorder them). Returns the
+    final beams' (output tokens, cumulative logprob), best first."""
+    beams = [(list(prompt), 0.0)]
+    for _ in range(max_tokens):
+        extended = []
+        for tokens, cum_logprob in beams:
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+            top = torch.log_softmax(logits.float(), dim=-1).topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                extended.append((tokens + [token], cum_logprob + logprob))
+        beams = sorted(extended, key=lambda beam: beam[1], reverse=True)[:width]
+    return [(tokens[len(prompt) :], cum_logprob) for tokens, cum_logprob in beams]

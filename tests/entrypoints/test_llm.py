@@ -23,25 +23,20 @@ from v1engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+def hf_model(llama_checkpoint):
+    return load_hf_model(llama_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    return load_hf_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def llm_tp2(checkpoint):
-    llm = make_llm(checkpoint, tensor_parallel_size=2)
+def llm_tp2(llama_checkpoint):
+    llm = make_llm(llama_checkpoint, tensor_parallel_size=2)
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def llm_tp1(checkpoint):
-    llm = make_llm(checkpoint, tensor_parallel_size=1)
+def llm_tp1(llama_checkpoint):
+    llm = make_llm(llama_checkpoint, tensor_parallel_size=1)
     yield llm
     llm.shutdown()
 
@@ -61,11 +56,11 @@ def test_other_architectures_equal_transformers(tmp_path, arch):
     assert got == hf_greedy(load_hf_model(checkpoint), PROMPTS, GREEDY.max_tokens)
 
 
-def test_preemption_and_chunked_prefill_keep_tokens_exact(checkpoint, hf_model):
+def test_preemption_and_chunked_prefill_keep_tokens_exact(llama_checkpoint, hf_model):
     # 14 usable blocks of 4 tokens cannot hold five requests at once, so the scheduler must
     # preempt and recompute; a 16-token budget chunks the 37-token prompt.
     with make_llm(
-        checkpoint,
+        llama_checkpoint,
         tensor_parallel_size=2,
         block_size=4,
         num_gpu_blocks_override=15,
@@ -141,11 +136,13 @@ def test_a_bad_prompt_is_refused_under_the_callers_request_id(llm_tp1):
     assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
 
 
-def test_a_checkpoint_without_tokenizer_files_fails_with_the_fix_and_stops_its_engine(checkpoint):
+def test_a_checkpoint_without_tokenizer_files_fails_with_the_fix_and_stops_its_engine(
+    llama_checkpoint,
+):
     # The tokenizer loads while the engine starts: its error comes after the engine is up, which
     # must then be shut down again (the leak check of every test sees its workers and queues).
     with pytest.raises(ValueError, match="(?s)cannot load a tokenizer.*skip_tokenizer_init=True"):
-        make_llm(checkpoint, skip_tokenizer_init=False)
+        make_llm(llama_checkpoint, skip_tokenizer_init=False)
 
 
 def test_invalid_sampling_values_name_the_field():
@@ -202,10 +199,10 @@ if __name__ == "__main__":
 """
 
 
-def test_generate_interrupted_by_ctrl_c_leaves_the_engine_usable(checkpoint, tmp_path):
+def test_generate_interrupted_by_ctrl_c_leaves_the_engine_usable(llama_checkpoint, tmp_path):
     # In a notebook, Ctrl-C in `generate` and then `generate` again is the common case: the
     # interrupted call's requests must be gone and its step (in flight at the worker) not lost.
     script = tmp_path / "interrupted.py"
     script.write_text(_INTERRUPTED_GENERATE)
-    done = run_script(str(script), checkpoint)
+    done = run_script(str(script), llama_checkpoint)
     assert json.loads(done.stdout.splitlines()[-1]) == [True, True, True, 0]

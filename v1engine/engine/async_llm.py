@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
+from v1engine.engine.beam_search import BeamSearch, step_candidates, step_params
 from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
@@ -31,7 +33,7 @@ from v1engine.engine.processor import Processor, as_parent_error
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.request import EngineCoreOutputs
-from v1engine.sampling_params import SamplingParams
+from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from v1engine.engine.core_client import AsyncMPClient
@@ -71,6 +73,7 @@ class AsyncLLM:
         self._stopped = False  # the output loop is gone: nothing is sent to the core any more
         self._queues: dict[str, asyncio.Queue] = {}
         self._background: set[asyncio.Task] = set()  # abort sends, kept alive until done
+        self._beam_searches: dict[str, asyncio.Task] = {}  # request id -> its search's steps
         self._output_loop: asyncio.Task | None = None
         self._on_dead: Callable[[], None] | None = None
 
@@ -91,6 +94,9 @@ class AsyncLLM:
         if not self._closed:
             self.end_requests()
         self._stopped = True
+        for search in self._beam_searches.values():
+            search.cancel()
+        await asyncio.gather(*self._beam_searches.values(), return_exceptions=True)
         if self._output_loop is not None:
             self._output_loop.cancel()
             await asyncio.gather(self._output_loop, return_exceptions=True)
@@ -145,6 +151,80 @@ class AsyncLLM:
         self.metrics.observe_new_request(params.n)
         return self._stream_outputs(request_id, queue)
 
+    async def beam_search(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        output_kind: OutputKind,
+    ) -> AsyncIterator[RequestOutput]:
+        """Starts a beam search (one-token steps sent as requests f"{request_id}-beam{step}-{i}",
+        see engine/beam_search.py); returns its outputs, as `add_request` does: here one
+        RequestOutput once the search is done, its completions the best sequences first (whole,
+        whatever `output_kind`).
+
+        Raises:
+            ValueError: the prompt cannot be served (its first step is sent before this returns).
+            EngineDeadError: the engine is dead.
+        """
+        del output_kind  # one output, which is both the whole result and all that is new
+        info = self.client.info
+        search = BeamSearch(
+            prompt_token_ids, params, self.processor.eos_token_id, info.max_model_len
+        )
+        first_id = f"{request_id}-beam0-0"
+        try:
+            first = await self.add_request(
+                first_id, None, prompt_token_ids, step_params(params), "final"
+            )
+        except ValueError as e:
+            raise as_parent_error(e, first_id, request_id) from e
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        steps = self._run_beam_search(request_id, prompt, search, [(first_id, first)], queue)
+        task = asyncio.get_running_loop().create_task(steps)
+        self._beam_searches[request_id] = task
+        task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None))
+        return self._stream_outputs(request_id, queue)
+
+    async def _run_beam_search(
+        self,
+        request_id: str,
+        prompt: str | None,
+        search: BeamSearch,
+        steps: list[tuple[str, AsyncIterator[RequestOutput]]],
+        queue: asyncio.Queue,
+    ) -> None:
+        """The search's steps, then its output (or the error that ended it) on `queue`."""
+        one_step = step_params(search.params)
+        num_cached_tokens = None
+        try:
+            while True:
+                finals = await asyncio.gather(*(final_output(outputs) for _, outputs in steps))
+                if num_cached_tokens is None:  # the first step's is the prompt's
+                    num_cached_tokens = finals[0].num_cached_tokens
+                search.advance([step_candidates(final) for final in finals])
+                if search.done:
+                    break
+                step_ids = [
+                    f"{request_id}-beam{search.num_steps}-{i}" for i in range(len(search.beams))
+                ]
+                steps = []
+                for step_id, tokens in zip(step_ids, search.prompts()):
+                    outputs = await self.add_request(step_id, None, tokens, one_step, "final")
+                    steps.append((step_id, outputs))
+            tokenizer = self.output_processor.tokenizer
+            decode = (
+                None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
+            )
+            queue.put_nowait(search.request_output(request_id, prompt, decode, num_cached_tokens))
+        except Exception as e:  # the reader raises it (EngineDeadError: a 503)
+            queue.put_nowait(e)
+        finally:  # cancelled (aborted): steps added but never read are still in the core
+            for step_id, _ in steps:
+                self.abort(step_id)
+
     async def _stream_outputs(
         self, request_id: str, queue: asyncio.Queue
     ) -> AsyncIterator[RequestOutput]:
@@ -173,6 +253,9 @@ class AsyncLLM:
 
     def _forget(self, request_id: str, outcome: str | None) -> list[str]:
         """Drops the request's front-end state; returns its engine requests still running."""
+        search = self._beam_searches.pop(request_id, None)
+        if search is not None:
+            search.cancel()
         queue = self._queues.pop(request_id, None)
         if queue is not None:  # wakes a reader still waiting for the request's outputs
             queue.put_nowait(RequestAbortedError(f"request {request_id!r} was aborted"))
@@ -247,3 +330,12 @@ class AsyncLLM:
         for queue in queues.values():
             queue.put_nowait(error)
         self.metrics.finish_all(outcome)
+
+
+async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last output of a request's outputs (`add_request`'s), once it has finished."""
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None and final.finished
+    return final

@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from v1engine.engine.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    step_candidates,
+    step_params,
+)
 from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.generation_defaults import describe
 from v1engine.engine.output_processor import OutputProcessor
@@ -18,7 +24,7 @@ from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
-from v1engine.sampling_params import SamplingParams
+from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
 
 if TYPE_CHECKING:
@@ -123,6 +129,35 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (see `BeamSearchParams`), the searches' steps batched
+        into one `generate` each; returns one BeamSearchOutput per prompt, in order, whose
+        sequences (tokens and text: the prompt's and the output's, as vLLM's) come best first.
+
+        Raises:
+            ValueError: a bad prompt (as `generate`); no request of this call is left running.
+        """
+        info, eos_token_id = self.processor.info, self.processor.eos_token_id
+        searches = [
+            BeamSearch(self.processor.tokenize(prompt)[1], params, eos_token_id, info.max_model_len)
+            for prompt in _as_prompt_list(prompts)
+        ]
+        one_step = step_params(params)
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            while live := [search for search in searches if not search.done]:
+                beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
+                outputs = iter(self.generate(beams, one_step, use_tqdm=False))
+                for search in live:
+                    search.advance([step_candidates(next(outputs)) for _ in search.beams])
+                bar.update(1)
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        return [search.output(decode) for search in searches]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's recommended

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import psutil
 
 from tests.model.checkpoints import make_checkpoint
@@ -148,3 +149,18 @@ def _is_core(proc: psutil.Process) -> bool:
         return "resource_tracker" not in " ".join(proc.cmdline())
     except psutil.Error:
         return False
+
+
+def openai_client(server: RemoteServer, api_key: str = "none") -> openai.OpenAI:
+    """The official client for `server`: no retries (a test sees every error), a scaled time-out."""
+    return openai.OpenAI(
+        base_url=server.url + "/v1", api_key=api_key, max_retries=0, timeout=scaled(60)
+    )
+
+
+def metric(server: RemoteServer, name: str) -> float:
+    """The value of one sample on the server's /metrics, by its full name and labels."""
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))

@@ -65,13 +65,6 @@ class FakeClient:
         return self.added
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def _make(tokenizer, client: FakeClient) -> tuple[AsyncLLM, httpx.AsyncClient, list]:
     dead_calls: list[bool] = []
     engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics("m", 2048))

@@ -8,14 +8,13 @@ an API key, so every client here sends one and the 401 tests omit or garble it.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.server_utils import RemoteServer, serve_module
+from tests.entrypoints.openai.server_utils import RemoteServer, metric, openai_client, serve_module
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -35,14 +34,7 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def _metric(server: RemoteServer, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} not in /metrics"
-    return float(match.group(1))
+    return openai_client(server, API_KEY)
 
 
 # -- plain endpoints -------------------------------------------------------------------------------
@@ -267,7 +259,7 @@ def test_error_statuses(server, client):
 # -- disconnects and load --------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_aborts_the_request(server, stream):
-    aborted_before = _metric(server, ABORTED)
+    aborted_before = metric(server, ABORTED)
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 240, "stream": stream}
     body.update(ignore_eos=True)
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -281,10 +273,10 @@ def test_client_disconnect_aborts_the_request(server, stream):
         with pytest.raises(httpx.ReadTimeout):  # 240 tokens take longer: the client gives up
             httpx.post(url, json=body, headers=headers, timeout=httpx.Timeout(60, read=1.0))
     deadline = time.monotonic() + 20
-    while _metric(server, ABORTED) == aborted_before:
+    while metric(server, ABORTED) == aborted_before:
         assert time.monotonic() < deadline, "the disconnected request was never aborted"
         time.sleep(0.1)
-    assert _metric(server, RUNNING) == 0
+    assert metric(server, RUNNING) == 0
 
 
 def test_200_concurrent_streams_equal_requests_made_alone(server, client):
@@ -292,13 +284,13 @@ def test_200_concurrent_streams_equal_requests_made_alone(server, client):
         p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, **GREEDY).choices[0].text
         for p in PROMPTS
     }
-    finished_before = _metric(server, FINISHED_BY_LENGTH)
+    finished_before = metric(server, FINISHED_BY_LENGTH)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(200)]
     results = asyncio.run(_stream_all(server, prompts))
     assert len(results) == 200
     for prompt, (text, finish_reason, num_tokens) in zip(prompts, results):
         assert (text, finish_reason, num_tokens) == (alone[prompt], "length", 8)
-    finished = _metric(server, FINISHED_BY_LENGTH) - finished_before
+    finished = metric(server, FINISHED_BY_LENGTH) - finished_before
     assert finished == 200
 
 

@@ -31,13 +31,6 @@ def server(tiny_model, tmp_path_factory):
     yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
-
-
 def _post(server: RemoteServer, path: str, body: dict) -> httpx.Response:
     # No API key: vLLM's tokenizer endpoints are outside /v1, which is all the key guards.
     return httpx.post(server.url + path, json=body, timeout=60)

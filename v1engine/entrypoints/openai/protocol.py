@@ -81,9 +81,11 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     logit_bias: dict[Int64, float] | None = None
     best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
     user: str | None = None  # OpenAI's end-user id: accepted and unused, as in vLLM
-    # vLLM's, refused when set: this server schedules first come, first served, and samples.
+    # vLLM's, refused when set: this server schedules first come, first served.
     priority: int = 0
+    # vLLM's beam search: n is its width; length_penalty scores it (see beam_search.py).
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's extras.
     # None: the model's generation_config.json value if it has one, else SamplingParams'.
     top_k: Int64 | None = None

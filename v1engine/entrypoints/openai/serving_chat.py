@@ -31,7 +31,7 @@ from v1engine.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
-from v1engine.entrypoints.openai.serving_engine import EngineInput, OpenAIServing
+from v1engine.entrypoints.openai.serving_engine import OpenAIServing
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
@@ -67,9 +67,8 @@ class OpenAIServingChat(OpenAIServing):
             )
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
-        params = self.make_sampling_params(request, len(token_ids), constraint)
+        inputs = [self.make_input(request, prompt, token_ids, constraint)]
         output_kind = "delta" if request.stream else "final"
-        inputs = [EngineInput(prompt, token_ids, params)]
         request_id, runs = await self.add_requests("chatcmpl", inputs, output_kind, "messages")
         if request.stream:
             chunks = self._stream_chunks(request_id, runs[0][1], request, mode)

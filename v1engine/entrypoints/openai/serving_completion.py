@@ -30,7 +30,7 @@ from v1engine.entrypoints.openai.protocol import (
     CompletionResponse,
     Prompt,
 )
-from v1engine.entrypoints.openai.serving_engine import EngineInput, EngineRun, OpenAIServing
+from v1engine.entrypoints.openai.serving_engine import EngineRun, OpenAIServing
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
@@ -61,10 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = await self.make_constraint(request)
         tokenized = await asyncio.to_thread(self._tokenize, prompts)
         inputs = [
-            EngineInput(
-                text, token_ids, self.make_sampling_params(request, len(token_ids), constraint)
-            )
-            for text, token_ids in tokenized
+            self.make_input(request, text, token_ids, constraint) for text, token_ids in tokenized
         ]
         output_kind = "delta" if request.stream else "final"
         request_id, runs = await self.add_requests("cmpl", inputs, output_kind, "prompt")
@@ -84,6 +81,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="max_tokens",
             )
         self.limits.check_num_logprobs(request.logprobs, "logprobs")
+        if request.echo and request.use_beam_search:
+            raise APIError(
+                "echo is not supported with use_beam_search; drop one of them", param="echo"
+            )
 
     def _tokenize(self, prompts: list[Prompt]) -> list[tuple[str | None, list[int]]]:
         return [

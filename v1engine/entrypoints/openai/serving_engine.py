@@ -23,9 +23,11 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError
+from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError, final_output
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
+from v1engine.engine.processor import truncate_prompt
+from v1engine.entrypoints.openai.beam_search import beam_search_params, check_length_penalty
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.structured import (
@@ -36,7 +38,7 @@ from v1engine.entrypoints.openai.structured import (
 )
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
-from v1engine.sampling_params import SamplingParams
+from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.structured_outputs.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
@@ -50,7 +52,7 @@ class EngineInput:
 
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
 
 
 # One engine request of an HTTP request: its id and its outputs.
@@ -122,12 +124,7 @@ class OpenAIServing:
                 "first come, first served; send 0 or drop the field",
                 param="priority",
             )
-        if request.use_beam_search:
-            raise APIError(
-                "beam search is not supported; drop use_beam_search (n > 1 samples several "
-                "completions)",
-                param="use_beam_search",
-            )
+        check_length_penalty(request)
         options = request.stream_options
         if options is not None and not request.stream:
             raise APIError(
@@ -170,6 +167,29 @@ class OpenAIServing:
             raise APIError(in_request_terms(e, param), param=param) from e
         return params
 
+    def make_input(
+        self,
+        request: Any,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> EngineInput:
+        """One prompt of the request, ready for the engine: with its sampling params, or with
+        `use_beam_search` its search params and the prompt cut to truncate_prompt_tokens (the
+        engine's processor cuts a sampled request's).
+
+        Raises:
+            APIError: 400 for an invalid value, a prompt plus max_tokens over the context, or a
+                field a beam search does not take.
+        """
+        params = self.make_sampling_params(request, len(prompt_token_ids), structured_outputs)
+        if not request.use_beam_search:
+            return EngineInput(prompt, prompt_token_ids, params)
+        search = beam_search_params(request, params, self.limits.max_logprobs)
+        truncate_to = params.truncate_prompt_tokens
+        prompt_token_ids = truncate_prompt(prompt_token_ids, truncate_to, self.max_model_len)
+        return EngineInput(prompt, prompt_token_ids, search)
+
     def make_sampling_params(
         self,
         request: Any,
@@ -194,9 +214,10 @@ class OpenAIServing:
                 param="messages" if hasattr(request, "messages") else "prompt",
             )
         try:
-            params = request.to_sampling_params(
-                self.max_model_len - num_prompt_tokens, self.sampling_defaults
-            )
+            defaults = self.sampling_defaults
+            if request.use_beam_search:  # a sampler's defaults, not a search's (but its cap)
+                defaults = {k: v for k, v in defaults.items() if k == "max_tokens"}
+            params = request.to_sampling_params(self.max_model_len - num_prompt_tokens, defaults)
             if structured_outputs is not None:
                 params = dataclasses.replace(params, structured_outputs=structured_outputs)
         except ValueError as e:
@@ -227,7 +248,11 @@ class OpenAIServing:
         batched = len(inputs) > 1
         ids = [f"{request_id}-{i}" for i in range(len(inputs))] if batched else [request_id]
         adds = [
-            self.engine.add_request(engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind)
+            (
+                self.engine.beam_search
+                if isinstance(x.params, BeamSearchParams)
+                else self.engine.add_request
+            )(engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind)
             for engine_id, x in zip(ids, inputs)
         ]
         try:
@@ -257,7 +282,7 @@ class OpenAIServing:
         """
         ids = [request_id for request_id, _ in runs]
         watcher = asyncio.create_task(_abort_on_disconnect(raw_request, self, ids))
-        tasks = [asyncio.ensure_future(_final_output(outputs)) for _, outputs in runs]
+        tasks = [asyncio.ensure_future(final_output(outputs)) for _, outputs in runs]
         try:
             return list(await asyncio.gather(*tasks))
         except EngineDeadError as e:
@@ -302,14 +327,6 @@ def _add_error(error: BaseException, index: int | None, param: str) -> BaseExcep
         error = ValueError(f"prompt {index} of the batch: {error}")
     # What is not a sampling value is the prompt's (empty, too long, unknown token ids).
     return APIError.bad_request(error, param)
-
-
-async def _final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    final = None
-    async for output in outputs:
-        final = output
-    assert final is not None and final.finished
-    return final
 
 
 async def _abort_on_disconnect(

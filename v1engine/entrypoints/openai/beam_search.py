@@ -1,0 +1,73 @@
+"""`use_beam_search`: which request fields a beam search takes, and its `BeamSearchParams`.
+
+A search scores sequences by their logprobs, so the fields that change sampling (penalties,
+biases, stop strings, constraints, seeds) or ask for logprobs would be silently ignored by it (as
+vLLM ignores them); here they are a 400 naming the field instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.sampling_params import BeamSearchParams, SamplingParams
+
+# The SamplingParams fields a search honours: n is its width, the prompt is cut as asked.
+_SEARCH_FIELDS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+)
+
+
+def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) -> BeamSearchParams:
+    """The request's search: width n, the request's max_tokens, temperature (0 when left out)
+    and length_penalty.
+
+    Raises:
+        APIError: 400 naming a field the search does not take, or an n whose 2 * n candidates
+            per step are over the server's max_logprobs.
+    """
+    plain = SamplingParams(**{name: getattr(params, name) for name in _SEARCH_FIELDS})
+    unsupported = [
+        f.name
+        for f in fields(SamplingParams)
+        if not f.name.startswith("_") and getattr(params, f.name) != getattr(plain, f.name)
+    ]
+    if unsupported:
+        raise APIError(
+            f"use_beam_search does not take {', '.join(unsupported)}: a beam search takes n (the "
+            "beam width), max_tokens, temperature, ignore_eos, length_penalty, "
+            "include_stop_str_in_output and truncate_prompt_tokens; drop the others",
+            param=unsupported[0],
+        )
+    if 2 * params.n > max_logprobs:
+        raise APIError(
+            f"n: a beam search of width {params.n} reads {2 * params.n} logprobs per step, over "
+            f"this server's limit of {max_logprobs}; lower n, or restart the server with a "
+            "higher --max-logprobs",
+            param="n",
+        )
+    assert params.max_tokens is not None  # the serving layer fills in the context's room
+    return BeamSearchParams(
+        beam_width=params.n,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        temperature=0.0 if request.temperature is None else params.temperature,
+        length_penalty=request.length_penalty,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+    )
+
+
+def check_length_penalty(request: Any) -> None:
+    """Raises APIError when length_penalty is set without use_beam_search (it would do nothing)."""
+    if request.length_penalty != 1.0 and not request.use_beam_search:
+        raise APIError(
+            f"length_penalty scores beam search only, got {request.length_penalty} without "
+            "use_beam_search; send use_beam_search: true or drop length_penalty",
+            param="length_penalty",
+        )
