@@ -49,13 +49,20 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="name(s) clients use as `model` (default: --model as given)",
     )
     server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's own, else a new id",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=_UVICORN_LOG_LEVELS,
         help="uvicorn's own log level (debug also logs each request)",
     )
     RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
-    ServingOptions.add_cli_args(parser.add_argument_group("chat template and structured outputs"))
+    ServingOptions.add_cli_args(
+        parser.add_argument_group("chat template, structured outputs and logprobs")
+    )
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 

@@ -130,7 +130,7 @@ class AsyncLLM:
             raise ServerShutdownError("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        sent: list[str] = []
+        sent: list[str] = []  # a send cancelled half-way may have reached the core: counted
         try:
             requests = self.processor.process(
                 request_id, prompt, prompt_token_ids, params, output_kind
@@ -139,14 +139,16 @@ class AsyncLLM:
                 self.metrics.add_request(
                     request.request_id, len(request.prompt_token_ids), params.max_tokens
                 )
+                sent.append(request.request_id)
                 try:
                     await self.client.add_request(request)
                 except ValueError as e:
+                    sent.pop()  # refused before anything was sent
                     raise as_parent_error(e, request.request_id, request_id) from e
-                sent.append(request.request_id)
-        except BaseException:
-            self._forget(request_id, outcome=None)
-            self._abort_in_core(sent)  # the children sent before one was refused
+        except BaseException as e:
+            # Cancelled (the client left while its request was being added): an abort.
+            self._forget(request_id, "abort" if isinstance(e, asyncio.CancelledError) else None)
+            self._abort_in_core(sent)
             raise
         self.metrics.observe_new_request(params.n)
         return self._stream_outputs(request_id, queue)

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import hmac
 import signal
+import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -159,7 +160,32 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries an X-Request-Id header, the
+    request's own or else a new one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-request-id", request_id)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(
+    state: ServerState, api_key: str | None = None, request_id_headers: bool = False
+) -> FastAPI:
     app = FastAPI(title="v1engine", version=__version__)
     app.state.server = state
     app.include_router(router)
@@ -169,6 +195,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     install_error_handlers(app)
+    if request_id_headers:  # outermost: every response has it, a 500 included
+        app.add_middleware(RequestIdHeaderMiddleware)
     return app
 
 
@@ -202,7 +230,7 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
     config: EngineConfig = engine.config
     server = _Server(
         uvicorn.Config(
-            build_app(state, args.api_key),
+            build_app(state, args.api_key, args.enable_request_id_headers),
             log_level=args.uvicorn_log_level,
             access_log=args.uvicorn_log_level in ("debug", "trace"),
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,

@@ -87,7 +87,8 @@ class APIError(Exception):
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """The JSON error shape for every error; add it last, so that it wraps every middleware."""
+    """The JSON error shape for every error; add it after the middleware that can fail, so that
+    it wraps them (only the X-Request-Id header, which cannot, goes around it)."""
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -81,6 +81,8 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     logit_bias: dict[Int64, float] | None = None
     best_of: int | None = None  # not supported beyond 1 (vLLM V1 dropped it too)
     user: str | None = None  # OpenAI's end-user id: accepted and unused, as in vLLM
+    # vLLM's: the response's id becomes f"{prefix}-{request_id}" (an X-Request-Id header wins).
+    request_id: str | None = None
     # vLLM's, refused when set: this server schedules first come, first served.
     priority: int = 0
     # vLLM's beam search: n is its width; length_penalty scores it (see beam_search.py).

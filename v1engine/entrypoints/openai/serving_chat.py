@@ -31,7 +31,7 @@ from v1engine.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
-from v1engine.entrypoints.openai.serving_engine import OpenAIServing
+from v1engine.entrypoints.openai.serving_engine import OpenAIServing, client_request_id
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
@@ -55,6 +55,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
         self.check_request(request)
+        client_id = client_request_id(request, raw_request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
@@ -69,7 +70,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         inputs = [self.make_input(request, prompt, token_ids, constraint)]
         output_kind = "delta" if request.stream else "final"
-        request_id, runs = await self.add_requests("chatcmpl", inputs, output_kind, "messages")
+        request_id, runs = await self.add_requests(
+            "chatcmpl", client_id, inputs, output_kind, "messages"
+        )
         if request.stream:
             chunks = self._stream_chunks(request_id, runs[0][1], request, mode)
             return StreamingResponse(

@@ -30,7 +30,11 @@ from v1engine.entrypoints.openai.protocol import (
     CompletionResponse,
     Prompt,
 )
-from v1engine.entrypoints.openai.serving_engine import EngineRun, OpenAIServing
+from v1engine.entrypoints.openai.serving_engine import (
+    EngineRun,
+    OpenAIServing,
+    client_request_id,
+)
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
@@ -54,6 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
         self.check_request(request)
+        client_id = client_request_id(request, raw_request)
         self._check_completion_fields(request)
         prompts = _split_prompts(request.prompt)
         # The limit on n counts completions: a batch asks for n per prompt.
@@ -64,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.make_input(request, text, token_ids, constraint) for text, token_ids in tokenized
         ]
         output_kind = "delta" if request.stream else "final"
-        request_id, runs = await self.add_requests("cmpl", inputs, output_kind, "prompt")
+        request_id, runs = await self.add_requests("cmpl", client_id, inputs, output_kind, "prompt")
         if request.stream:
             events = self.stream_events(runs, self._stream_chunks(request_id, runs, request))
             return StreamingResponse(events, media_type="text/event-stream")

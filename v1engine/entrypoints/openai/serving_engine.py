@@ -114,6 +114,8 @@ class OpenAIServing:
                 "The following fields were present in the request but ignored: {%s}", names
             )
         self.check_model(request.model)
+        if self.options.return_tokens_as_token_ids:  # the server's flag, for every request
+            request.return_tokens_as_token_ids = True
         if request.best_of not in (None, 1):
             raise APIError(
                 f"best_of is not supported, got {request.best_of}; use n", param="best_of"
@@ -235,18 +237,26 @@ class OpenAIServing:
         return params
 
     async def add_requests(
-        self, prefix: str, inputs: list[EngineInput], output_kind: OutputKind, param: str
+        self,
+        prefix: str,
+        client_id: str | None,
+        inputs: list[EngineInput],
+        output_kind: OutputKind,
+        param: str,
     ) -> tuple[str, list[EngineRun]]:
-        """Adds one engine request per input, concurrently; returns the request's id and each
-        engine request's id and outputs (a batch's are named f"{request_id}-{i}").
+        """Adds one engine request per input, concurrently; returns the request's id,
+        f"{prefix}-{client_id or a new one}", and each engine request's id and outputs (a
+        batch's are named f"{id}-{i}"; a client's id gets a unique suffix first, for two
+        requests may send one id).
 
         Raises:
             APIError: 400 when the engine refuses an input (naming the sampling field at fault,
                 else `param`), 503 when the engine is dead; then nothing of the request stays.
         """
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
+        engine_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         batched = len(inputs) > 1
-        ids = [f"{request_id}-{i}" for i in range(len(inputs))] if batched else [request_id]
+        ids = [f"{engine_id}-{i}" for i in range(len(inputs))] if batched else [engine_id]
         adds = [
             (
                 self.engine.beam_search
@@ -315,6 +325,25 @@ class OpenAIServing:
         finally:
             self.abort_all([request_id for request_id, _ in runs])
         yield SSE_DONE
+
+
+def client_request_id(request: Any, raw_request: Request) -> str | None:
+    """The client's id for its request, as vLLM takes it: the X-Request-Id header, else the
+    body's `request_id`; None when it sent neither.
+
+    Raises:
+        APIError: 400 for an id that is empty, over 256 characters or not printable (ids go
+            into logs and the response).
+    """
+    header = raw_request.headers.get("x-request-id")
+    param, value = (
+        ("request_id", request.request_id) if header is None else ("X-Request-Id", header)
+    )
+    if value is not None and not (0 < len(value) <= 256 and value.isprintable()):
+        raise APIError(
+            f"{param} must be 1 to 256 printable characters, got {value[:80]!r}", param=param
+        )
+    return value
 
 
 def _add_error(error: BaseException, index: int | None, param: str) -> BaseException:

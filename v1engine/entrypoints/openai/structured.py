@@ -27,7 +27,8 @@ _KIND_NAME = re.compile(rf"StructuredOutputsParams\.(?:{'|'.join(KINDS)})\b")
 
 @dataclass
 class ServingOptions:
-    """The server's options for chat and constraints (flags of `python -m v1engine.serve`)."""
+    """The server's options for chat, constraints and logprobs (flags of
+    `python -m v1engine.serve`)."""
 
     # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
     chat_template: str | None = None
@@ -36,6 +37,9 @@ class ServingOptions:
     disable_any_whitespace: bool = False
     # `tool_choice: "auto"`: the parser that finds the calls in the text (None: "auto" is a 400).
     tool_call_parser: str | None = None
+    # Every request's logprobs name tokens "token_id:{id}", as if each sent
+    # return_tokens_as_token_ids (vLLM's flag).
+    return_tokens_as_token_ids: bool = False
 
     @staticmethod
     def add_cli_args(group: Any) -> None:
@@ -61,6 +65,11 @@ class ServingOptions:
             default=None,
             help="how tool calls are found in a model's text for tool_choice auto",
         )
+        group.add_argument(
+            "--return-tokens-as-token-ids",
+            action="store_true",
+            help='logprobs name tokens "token_id:{id}" for every request, not by their text',
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
@@ -81,7 +90,12 @@ class ServingOptions:
                 raise ValueError(
                     f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
                 ) from e
-        return cls(template, args.structured_outputs_disable_any_whitespace, parser)
+        return cls(
+            template,
+            args.structured_outputs_disable_any_whitespace,
+            parser,
+            args.return_tokens_as_token_ids,
+        )
 
 
 def request_constraint(

@@ -1,0 +1,96 @@
+"""Request ids and the server-wide logprob flag against a real `python -m v1engine.serve`
+(--enable-request-id-headers, --return-tokens-as-token-ids) and the official `openai` client: a
+client's id (body `request_id` or the X-Request-Id header, which wins) names the response, one id
+may serve two requests at once, a bad id is a 400 naming where it came from, every response
+carries an X-Request-Id, and logprobs name their tokens by id."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.server_utils import serve_module
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    flags = ("--enable-request-id-headers", "--return-tokens-as-token-ids")
+    yield from serve_module(
+        tiny_model, tmp_path_factory, "--served-model-name", MODEL, *flags, tp=1
+    )
+
+
+def test_the_clients_id_names_the_response(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"request_id": "job-7"}
+    )
+    assert chat.id == "chatcmpl-job-7"
+    out = client.completions.create(
+        model=MODEL,
+        prompt="hi",
+        max_tokens=2,
+        extra_body={"request_id": "job-8"},
+        extra_headers={"X-Request-Id": "trace-9"},  # the header wins, as in vLLM
+    )
+    assert out.id == "cmpl-trace-9"
+
+
+def test_one_id_may_serve_two_requests_at_once(client):
+    def complete(prompt: str) -> str:
+        out = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0.0,
+            extra_body={"request_id": "same", "ignore_eos": True},
+        )
+        return out.id
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        ids = list(pool.map(complete, ["a b c", "d e f", "g h i", "j k l"]))
+    assert ids == ["cmpl-same"] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"extra_body": {"request_id": ""}}, "request_id"),
+        ({"extra_body": {"request_id": "a\nforged log line"}}, "request_id"),
+        ({"extra_headers": {"X-Request-Id": "x" * 300}}, "X-Request-Id"),
+    ],
+    ids=["empty", "newline", "too long"],
+)
+def test_a_bad_id_is_a_400_naming_its_source(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError, match="1 to 256 printable") as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, **kwargs)
+    assert info.value.body["param"] == param
+
+
+def test_every_response_carries_an_x_request_id(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    given = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "mine"})
+    assert given.status_code == 200 and given.headers["x-request-id"] == "mine"
+    fresh = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": -1})
+    assert fresh.status_code == 400  # errors too
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh.headers["x-request-id"])
+    assert httpx.get(server.url + "/health").headers["x-request-id"]
+
+
+def test_the_server_flag_names_every_requests_logprob_tokens_by_id(client):
+    out = client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in out.choices[0].logprobs.tokens)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=1
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", entry.token)
+        assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
