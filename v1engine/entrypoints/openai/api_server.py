@@ -34,7 +34,7 @@ from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
-from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
+from v1engine.entrypoints.openai.errors import APIError, HTTPMiddleware, install_error_handlers
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
 from v1engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -136,17 +136,16 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     return await _state(raw_request).chat.create_chat_completion(request, raw_request)
 
 
-class APIKeyMiddleware:
-    """401 for a /v1 request without `Authorization: Bearer <api_key>`. Plain ASGI, so it runs
-    before the body is parsed and never wraps a streaming response.
-    """
+class APIKeyMiddleware(HTTPMiddleware):
+    """401 for a /v1 request without `Authorization: Bearer <api_key>`, before the body is
+    parsed."""
 
     def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
+        super().__init__(app)
         self.expected = f"Bearer {api_key}".encode()
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["path"].startswith("/v1/"):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
@@ -160,17 +159,11 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class RequestIdHeaderMiddleware:
+class RequestIdHeaderMiddleware(HTTPMiddleware):
     """vLLM's --enable-request-id-headers: every response carries an X-Request-Id header, the
     request's own or else a new one."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         given = dict(scope["headers"]).get(b"x-request-id")
         request_id = given or uuid.uuid4().hex.encode()
 

@@ -152,21 +152,32 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     return APIError(message, status, type=kind).to_response()
 
 
-class UnexpectedErrorMiddleware:
-    """A short 500 for an exception no handler took, its traceback logged once with the route.
-
-    Starlette's own last resort would log it, answer, then re-raise it for uvicorn to log again;
-    this sits inside it, so the exception ends here. Plain ASGI: a streaming response that already
-    began is ended (its generator reports its own errors, see serving_engine.stream_events).
-    """
+class HTTPMiddleware:
+    """Plain ASGI middleware (it never wraps a streaming response, as Starlette's
+    BaseHTTPMiddleware would): `handle` sees each HTTP request; anything else passes by."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+        else:
             await self.app(scope, receive, send)
-            return
+
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
+        raise NotImplementedError
+
+
+class UnexpectedErrorMiddleware(HTTPMiddleware):
+    """A short 500 for an exception no handler took, its traceback logged once with the route.
+
+    Starlette's own last resort would log it, answer, then re-raise it for uvicorn to log again;
+    this sits inside it, so the exception ends here. A streaming response that already began is
+    ended (its generator reports its own errors, see serving_engine.stream_events).
+    """
+
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         started = False
 
         async def send_and_note(message: dict) -> None:

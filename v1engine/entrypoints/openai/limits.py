@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from typing import Any
 
-from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.errors import APIError, HTTPMiddleware
 
 
 @dataclass(frozen=True)
@@ -97,22 +97,19 @@ def _check_at_most(param: str, value: int, unit: str, limit: int, name: str) -> 
         )
 
 
-class BodyLimitMiddleware:
+class BodyLimitMiddleware(HTTPMiddleware):
     """A 413 for a request body over `max_bytes`, before anything parses it.
 
     The body is read here whole (a declared Content-Length over the limit is refused before
     reading; a chunked body is counted as it arrives) and replayed to the app, which then reads
-    the client's later messages (its disconnect) as usual. Plain ASGI, like APIKeyMiddleware.
+    the client's later messages (its disconnect) as usual.
     """
 
     def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
             await self._too_large(f"{declared} bytes").to_response()(scope, receive, send)
