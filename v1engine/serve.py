@@ -15,6 +15,7 @@ SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from v1engine.engine_args import EngineArgs
@@ -30,7 +31,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: every process multiprocessing spawns (the engine core, each
     # worker) re-imports this module first, and these pull in fastapi (~0.3 s each).
     from v1engine.entrypoints.openai.limits import RequestLimits
-    from v1engine.entrypoints.openai.structured import ServingOptions
+    from v1engine.entrypoints.openai.serving_options import ServingOptions
 
     parser = argparse.ArgumentParser(
         prog="python -m v1engine.serve",
@@ -53,6 +54,14 @@ def make_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer with an X-Request-Id header: the request's own, else a new id",
     )
+    for name in ("origins", "methods", "headers"):
+        server.add_argument(
+            f"--allowed-{name}",
+            type=_json_str_list,
+            default=["*"],
+            help=f'CORS: the {name} browsers may use, as a JSON list (default ["*"])',
+        )
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     server.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -65,6 +74,17 @@ def make_arg_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
+
+
+def _json_str_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: --allowed-origins '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings like ["*"], got {text}')
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 
+import httpx
 import openai
 import pytest
 
@@ -290,3 +291,10 @@ def test_return_tokens_as_token_ids_names_every_logprobs_token_by_id(client, tok
         assert re.fullmatch(r"token_id:\d+", entry.token)
         assert bytes(entry.bytes) == entry.token.encode()
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+
+
+def test_any_origin_may_call_by_default_as_in_vllm(server):
+    headers = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    preflight = httpx.options(server.url + "/v1/chat/completions", headers=headers)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"

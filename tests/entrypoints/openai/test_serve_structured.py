@@ -27,7 +27,7 @@ from tests.entrypoints.openai.server_utils import serve_module
 from tests.timeouts import scaled
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
-from v1engine.entrypoints.openai.structured import ServingOptions
+from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.tool_calls import tool_mode
 from v1engine.entrypoints.openai.tool_parsers import parse_hermes
 from v1engine.serve import make_arg_parser

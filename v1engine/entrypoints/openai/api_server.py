@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import signal
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 
 from v1engine import __version__
 from v1engine.config import EngineConfig
@@ -45,9 +46,9 @@ from v1engine.entrypoints.openai.protocol import (
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
-from v1engine.entrypoints.openai.structured import ServingOptions
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -176,19 +177,51 @@ class RequestIdHeaderMiddleware(HTTPMiddleware):
         await self.app(scope, receive, send_with_id)
 
 
-def build_app(
-    state: ServerState, api_key: str | None = None, request_id_headers: bool = False
-) -> FastAPI:
+@dataclass
+class HTTPOptions:
+    """How the server answers over HTTP (flags of `python -m v1engine.serve`)."""
+
+    api_key: str | None = None
+    request_id_headers: bool = False
+    # CORS, as vLLM's defaults: any origin, method and header, no credentials.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> HTTPOptions:
+        return cls(
+            args.api_key,
+            args.enable_request_id_headers,
+            args.allowed_origins,
+            args.allowed_methods,
+            args.allowed_headers,
+            args.allow_credentials,
+        )
+
+
+def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
+    http = http or HTTPOptions()
     app = FastAPI(title="v1engine", version=__version__)
     app.state.server = state
     app.include_router(router)
     # The last added runs first: errors wrap everything, and the key is checked before the body
     # is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_request_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if http.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=http.api_key)
     install_error_handlers(app)
-    if request_id_headers:  # outermost: every response has it, a 500 included
+    # Outermost, as they cannot fail: a browser's preflight is answered before the key check,
+    # and every response (a 401 or 500 too) carries the CORS and X-Request-Id headers.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=http.allowed_origins,
+        allow_methods=http.allowed_methods,
+        allow_headers=http.allowed_headers,
+        allow_credentials=http.allow_credentials,
+    )
+    if http.request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
     return app
 
@@ -223,7 +256,7 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
     config: EngineConfig = engine.config
     server = _Server(
         uvicorn.Config(
-            build_app(state, args.api_key, args.enable_request_id_headers),
+            build_app(state, HTTPOptions.from_cli_args(args)),
             log_level=args.uvicorn_log_level,
             access_log=args.uvicorn_log_level in ("debug", "trace"),
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,

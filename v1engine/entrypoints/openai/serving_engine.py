@@ -30,9 +30,9 @@ from v1engine.engine.processor import truncate_prompt
 from v1engine.entrypoints.openai.beam_search import beam_search_params, check_length_penalty
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import (
     Constraint,
-    ServingOptions,
     in_request_terms,
     request_constraint,
 )
@@ -257,6 +257,9 @@ class OpenAIServing:
         engine_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         batched = len(inputs) > 1
         ids = [f"{engine_id}-{i}" for i in range(len(inputs))] if batched else [engine_id]
+        if self.options.log_requests:
+            for engine_id, x in zip(ids, inputs):
+                self._log_request(engine_id, x)
         adds = [
             (
                 self.engine.beam_search
@@ -275,6 +278,19 @@ class OpenAIServing:
                 self.abort_all(ids)
                 raise _add_error(result, index if batched else None, param) from result
         return request_id, list(zip(ids, results))
+
+    def _log_request(self, engine_id: str, x: EngineInput) -> None:
+        prompt: str | list[int] = x.prompt if x.prompt is not None else x.prompt_token_ids
+        cut = self.options.max_log_len  # None: all of it
+        more = f" (first {cut} of {len(prompt)})" if cut is not None and len(prompt) > cut else ""
+        logger.info(
+            "Received request %s: prompt %r%s, %d prompt tokens, params %s",
+            engine_id,
+            prompt[:cut],
+            more,
+            len(x.prompt_token_ids),
+            x.params,
+        )
 
     def abort_all(self, request_ids: list[str]) -> None:
         """Aborts the engine requests still running (a no-op for finished or unknown ids)."""

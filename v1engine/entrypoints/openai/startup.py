@@ -38,7 +38,7 @@ def run_server(args: argparse.Namespace) -> int:
         ValueError / RuntimeError: bad arguments, a busy port, or an engine that cannot start.
     """
     from v1engine.entrypoints.openai.limits import RequestLimits  # loaded by the flag parser
-    from v1engine.entrypoints.openai.structured import ServingOptions
+    from v1engine.entrypoints.openai.serving_options import ServingOptions
 
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
     install_sigterm_handler()

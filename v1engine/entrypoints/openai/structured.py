@@ -7,14 +7,13 @@ not the engine's name for it.
 
 from __future__ import annotations
 
-import argparse
 import re
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol_structured import StructuredFields
-from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.structured_outputs.params import KINDS, StructuredOutputsParams
 
 # A constraint as the request gave it: (the request's field, StructuredOutputsParams fields).
@@ -23,79 +22,6 @@ _GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 _BACKENDS = ("xgrammar", "auto")
 _FIELDS = {f.name for f in fields(StructuredOutputsParams)}
 _KIND_NAME = re.compile(rf"StructuredOutputsParams\.(?:{'|'.join(KINDS)})\b")
-
-
-@dataclass
-class ServingOptions:
-    """The server's options for chat, constraints and logprobs (flags of
-    `python -m v1engine.serve`)."""
-
-    # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
-    chat_template: str | None = None
-    # JSON constraints allow no whitespace between tokens, unless a request's
-    # `structured_outputs` says otherwise (OpenAI's API has no per-request field for it).
-    disable_any_whitespace: bool = False
-    # `tool_choice: "auto"`: the parser that finds the calls in the text (None: "auto" is a 400).
-    tool_call_parser: str | None = None
-    # Every request's logprobs name tokens "token_id:{id}", as if each sent
-    # return_tokens_as_token_ids (vLLM's flag).
-    return_tokens_as_token_ids: bool = False
-
-    @staticmethod
-    def add_cli_args(group: Any) -> None:
-        group.add_argument(
-            "--chat-template",
-            default=None,
-            help="file of a Jinja chat template to use instead of the tokenizer's",
-        )
-        group.add_argument(
-            "--structured-outputs-disable-any-whitespace",
-            action="store_true",
-            help="constrained JSON has no whitespace between tokens (a request's "
-            "structured_outputs.disable_any_whitespace overrides it)",
-        )
-        group.add_argument(
-            "--enable-auto-tool-choice",
-            action="store_true",
-            help='serve tool_choice "auto" (needs --tool-call-parser)',
-        )
-        group.add_argument(
-            "--tool-call-parser",
-            choices=TOOL_CALL_PARSERS,
-            default=None,
-            help="how tool calls are found in a model's text for tool_choice auto",
-        )
-        group.add_argument(
-            "--return-tokens-as-token-ids",
-            action="store_true",
-            help='logprobs name tokens "token_id:{id}" for every request, not by their text',
-        )
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
-        """Raises ValueError when the chat template file cannot be read, or for
-        --enable-auto-tool-choice without --tool-call-parser."""
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError(
-                "--enable-auto-tool-choice needs --tool-call-parser "
-                f"({', '.join(TOOL_CALL_PARSERS)})"
-            )
-        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-        template = None
-        if args.chat_template is not None:
-            try:
-                with open(args.chat_template, encoding="utf-8") as f:
-                    template = f.read()
-            except OSError as e:
-                raise ValueError(
-                    f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
-                ) from e
-        return cls(
-            template,
-            args.structured_outputs_disable_any_whitespace,
-            parser,
-            args.return_tokens_as_token_ids,
-        )
 
 
 def request_constraint(

@@ -23,7 +23,8 @@ from v1engine.entrypoints.openai.protocol_structured import (
     FunctionCall,
     ToolCall,
 )
-from v1engine.entrypoints.openai.structured import Constraint, ServingOptions
+from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.structured import Constraint
 from v1engine.entrypoints.openai.tool_parsers import parse_hermes
 
 # vLLM's answer to "auto" when the server runs without a parser.

@@ -1,8 +1,9 @@
-"""Request ids and the server-wide logprob flag against a real `python -m v1engine.serve`
-(--enable-request-id-headers, --return-tokens-as-token-ids) and the official `openai` client: a
-client's id (body `request_id` or the X-Request-Id header, which wins) names the response, one id
-may serve two requests at once, a bad id is a 400 naming where it came from, every response
-carries an X-Request-Id, and logprobs name their tokens by id."""
+"""Request ids and vLLM's server flags against a real `python -m v1engine.serve` and the official
+`openai` client: a client's id (body `request_id` or the X-Request-Id header, which wins) names
+the response, one id may serve two requests at once, a bad id is a 400 naming where it came from;
+--enable-request-id-headers puts an X-Request-Id on every response, --return-tokens-as-token-ids
+names every request's logprob tokens by id, --enable-log-requests logs requests (prompts cut to
+--max-log-len), and --allowed-origins limits CORS to the origins given."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ from tests.entrypoints.openai.server_utils import serve_module
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hi"}]
+ORIGIN = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     flags = ("--enable-request-id-headers", "--return-tokens-as-token-ids")
+    flags += ("--enable-log-requests", "--max-log-len", "10")
+    flags += ("--allowed-origins", f'["{ORIGIN}"]')
     yield from serve_module(
         tiny_model, tmp_path_factory, "--served-model-name", MODEL, *flags, tp=1
     )
@@ -94,3 +98,24 @@ def test_the_server_flag_names_every_requests_logprob_tokens_by_id(client):
     for entry in chat.choices[0].logprobs.content:
         assert re.fullmatch(r"token_id:\d+", entry.token)
         assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
+
+
+def test_requests_are_logged_with_their_prompt_cut(server, client):
+    out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=1)
+    lines = [line for line in server.log_text().splitlines() if out.id in line]
+    assert len(lines) == 1, lines
+    assert "Received request" in lines[0] and "prompt 'The quick ' (first 10 of 19)" in lines[0]
+    assert "max_tokens=1" in lines[0]  # the sampling params
+
+
+def test_cors_answers_the_allowed_origin_only(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "x"}
+    url = server.url + "/v1/completions"
+    allowed = httpx.options(url, headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(url, headers={"Origin": "https://elsewhere.example", **preflight})
+    assert other.status_code == 400
+    assert "access-control-allow-origin" not in other.headers
+    models = httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN})
+    assert models.headers["access-control-allow-origin"] == ORIGIN

@@ -1,0 +1,102 @@
+"""The server's options for how it serves requests: the chat template, tool calls, constraints'
+whitespace, logprob token names and request logging (flags of `python -m v1engine.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+
+
+@dataclass
+class ServingOptions:
+    """The server's options for chat, constraints and logprobs (flags of
+    `python -m v1engine.serve`)."""
+
+    # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
+    chat_template: str | None = None
+    # JSON constraints allow no whitespace between tokens, unless a request's
+    # `structured_outputs` says otherwise (OpenAI's API has no per-request field for it).
+    disable_any_whitespace: bool = False
+    # `tool_choice: "auto"`: the parser that finds the calls in the text (None: "auto" is a 400).
+    tool_call_parser: str | None = None
+    # Every request's logprobs name tokens "token_id:{id}", as if each sent
+    # return_tokens_as_token_ids (vLLM's flag).
+    return_tokens_as_token_ids: bool = False
+    # Log each request as it is added (vLLM's --enable-log-requests): its id, prompt (cut to
+    # max_log_len characters when set) and sampling params.
+    log_requests: bool = False
+    max_log_len: int | None = None
+
+    @staticmethod
+    def add_cli_args(group: Any) -> None:
+        group.add_argument(
+            "--chat-template",
+            default=None,
+            help="file of a Jinja chat template to use instead of the tokenizer's",
+        )
+        group.add_argument(
+            "--structured-outputs-disable-any-whitespace",
+            action="store_true",
+            help="constrained JSON has no whitespace between tokens (a request's "
+            "structured_outputs.disable_any_whitespace overrides it)",
+        )
+        group.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help='serve tool_choice "auto" (needs --tool-call-parser)',
+        )
+        group.add_argument(
+            "--tool-call-parser",
+            choices=TOOL_CALL_PARSERS,
+            default=None,
+            help="how tool calls are found in a model's text for tool_choice auto",
+        )
+        group.add_argument(
+            "--return-tokens-as-token-ids",
+            action="store_true",
+            help='logprobs name tokens "token_id:{id}" for every request, not by their text',
+        )
+        group.add_argument(
+            "--enable-log-requests",
+            action="store_true",
+            help="log every request: its id, prompt and sampling params",
+        )
+        group.add_argument(
+            "--max-log-len",
+            type=int,
+            default=None,
+            help="with --enable-log-requests, the most prompt characters logged (default: all)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
+        """Raises ValueError when the chat template file cannot be read, or for
+        --enable-auto-tool-choice without --tool-call-parser."""
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser "
+                f"({', '.join(TOOL_CALL_PARSERS)})"
+            )
+        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        template = None
+        if args.chat_template is not None:
+            try:
+                with open(args.chat_template, encoding="utf-8") as f:
+                    template = f.read()
+            except OSError as e:
+                raise ValueError(
+                    f"cannot read --chat-template {args.chat_template!r}: {e.strerror}"
+                ) from e
+        if args.max_log_len is not None and args.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+        return cls(
+            template,
+            args.structured_outputs_disable_any_whitespace,
+            parser,
+            args.return_tokens_as_token_ids,
+            args.enable_log_requests,
+            args.max_log_len,
+        )
