@@ -69,9 +69,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         help="uvicorn's own log level (debug also logs each request)",
     )
     RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
-    ServingOptions.add_cli_args(
-        parser.add_argument_group("chat template, structured outputs and logprobs")
-    )
+    ServingOptions.add_cli_args(parser.add_argument_group("serving"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))
     return parser
 

@@ -1,9 +1,10 @@
 """OpenAIServing: what the completion and chat endpoints share.
 
 That is the model-name check and the server's request limits, the length check against the
-context, adding a request's engine requests (one per prompt) to the AsyncLLM with their errors
-mapped to HTTP statuses, waiting for their final outputs while watching for the client to
-disconnect, and server-sent events.
+context, adding a request's engine requests (one per prompt, sampled or a beam search, named by
+the client's request id when it sends one) to the AsyncLLM with their errors mapped to HTTP
+statuses, waiting for their final outputs while watching for the client to disconnect, and
+server-sent events.
 
 Tokenizing a prompt and rendering a chat take time in proportion to the body (seconds for
 megabytes), so they run in a thread (`asyncio.to_thread`): the event loop keeps answering /health
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -254,20 +255,10 @@ class OpenAIServing:
                 else `param`), 503 when the engine is dead; then nothing of the request stays.
         """
         request_id = f"{prefix}-{client_id or uuid.uuid4().hex}"
-        engine_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
+        base_id = request_id if client_id is None else f"{request_id}-{uuid.uuid4().hex[:8]}"
         batched = len(inputs) > 1
-        ids = [f"{engine_id}-{i}" for i in range(len(inputs))] if batched else [engine_id]
-        if self.options.log_requests:
-            for engine_id, x in zip(ids, inputs):
-                self._log_request(engine_id, x)
-        adds = [
-            (
-                self.engine.beam_search
-                if isinstance(x.params, BeamSearchParams)
-                else self.engine.add_request
-            )(engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind)
-            for engine_id, x in zip(ids, inputs)
-        ]
+        ids = [f"{base_id}-{i}" for i in range(len(inputs))] if batched else [base_id]
+        adds = [self._add(engine_id, x, output_kind) for engine_id, x in zip(ids, inputs)]
         try:
             results = await asyncio.gather(*adds, return_exceptions=True)
         except BaseException:
@@ -278,6 +269,20 @@ class OpenAIServing:
                 self.abort_all(ids)
                 raise _add_error(result, index if batched else None, param) from result
         return request_id, list(zip(ids, results))
+
+    def _add(
+        self, engine_id: str, x: EngineInput, output_kind: OutputKind
+    ) -> Awaitable[AsyncIterator[RequestOutput]]:
+        """The engine call that adds one input: a sampled request, or a beam search."""
+        if self.options.log_requests:
+            self._log_request(engine_id, x)
+        if isinstance(x.params, BeamSearchParams):
+            return self.engine.beam_search(
+                engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
+            )
+        return self.engine.add_request(
+            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
+        )
 
     def _log_request(self, engine_id: str, x: EngineInput) -> None:
         prompt: str | list[int] = x.prompt if x.prompt is not None else x.prompt_token_ids

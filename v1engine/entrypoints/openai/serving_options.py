@@ -12,8 +12,7 @@ from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 @dataclass
 class ServingOptions:
-    """The server's options for chat, constraints and logprobs (flags of
-    `python -m v1engine.serve`)."""
+    """The serving flags' values; `OpenAIServing` reads them per request."""
 
     # A Jinja chat template used instead of the tokenizer's (e.g. a tool-aware one).
     chat_template: str | None = None
@@ -73,8 +72,8 @@ class ServingOptions:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
-        """Raises ValueError when the chat template file cannot be read, or for
-        --enable-auto-tool-choice without --tool-call-parser."""
+        """Raises ValueError when the chat template file cannot be read, for
+        --enable-auto-tool-choice without --tool-call-parser, or a negative --max-log-len."""
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
