@@ -145,9 +145,9 @@ class BeamSearchParams:
 
     A sequence's score is its cumulative logprob / its length ** `length_penalty`, the length
     counting prompt and output tokens but not a final EOS (vLLM's rule): 0 ranks by the sum alone,
-    1 by the mean per token, and higher values favour longer sequences more. `temperature` samples one more candidate per beam and step; 0 keeps the search
-    deterministic. The EOS ends a beam (kept in its tokens with `include_stop_str_in_output`)
-    unless `ignore_eos`.
+    1 by the mean per token, and higher values favour longer sequences more. `temperature`
+    samples one more candidate per beam and step; 0 keeps the search deterministic. The EOS ends
+    a beam (kept in its tokens with `include_stop_str_in_output`) unless `ignore_eos`.
     """
 
     beam_width: int

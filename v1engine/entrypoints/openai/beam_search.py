@@ -61,13 +61,3 @@ def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) 
         length_penalty=request.length_penalty,
         include_stop_str_in_output=params.include_stop_str_in_output,
     )
-
-
-def check_length_penalty(request: Any) -> None:
-    """Raises APIError when length_penalty is set without use_beam_search (it would do nothing)."""
-    if request.length_penalty != 1.0 and not request.use_beam_search:
-        raise APIError(
-            f"length_penalty scores beam search only, got {request.length_penalty} without "
-            "use_beam_search; send use_beam_search: true or drop length_penalty",
-            param="length_penalty",
-        )

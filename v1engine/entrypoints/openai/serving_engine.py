@@ -28,7 +28,7 @@ from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError, final_outpu
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.engine.processor import truncate_prompt
-from v1engine.entrypoints.openai.beam_search import beam_search_params, check_length_penalty
+from v1engine.entrypoints.openai.beam_search import beam_search_params
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.serving_options import ServingOptions
@@ -127,7 +127,12 @@ class OpenAIServing:
                 "first come, first served; send 0 or drop the field",
                 param="priority",
             )
-        check_length_penalty(request)
+        if request.length_penalty != 1.0 and not request.use_beam_search:
+            raise APIError(
+                f"length_penalty scores beam search only, got {request.length_penalty} without "
+                "use_beam_search; send use_beam_search: true or drop length_penalty",
+                param="length_penalty",
+            )
         options = request.stream_options
         if options is not None and not request.stream:
             raise APIError(
