@@ -41,6 +41,8 @@ def client(server) -> openai.OpenAI:
 def test_models_health_version_and_startup_line(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ping").status_code == 200  # SageMaker's health check
+    assert httpx.post(server.url + "/ping").status_code == 200
     assert httpx.get(server.url + "/version").json() == {"version": "0.1.0"}
     line = next(s for s in server.log_text().splitlines() if "listening on" in s)
     for part in ("tensor_parallel_size=2", "device=cpu", "KV cache 2048 blocks", MODEL):

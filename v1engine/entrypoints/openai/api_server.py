@@ -80,6 +80,8 @@ def _state(raw_request: Request) -> ServerState:
 
 
 @router.get("/health")
+@router.get("/ping")  # SageMaker's name for it, as vLLM serves it (GET and POST)
+@router.post("/ping")
 async def health(raw_request: Request) -> Response:
     engine = _state(raw_request).engine
     if engine.dead_reason is not None:
