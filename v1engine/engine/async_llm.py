@@ -175,31 +175,47 @@ class AsyncLLM:
         search = BeamSearch(
             prompt_token_ids, params, self.processor.eos_token_id, info.max_model_len
         )
-        first_id = f"{request_id}-beam0-0"
+        one_step = step_params(params)
         try:
-            first = await self.add_request(
-                first_id, None, prompt_token_ids, step_params(params), "final"
-            )
+            first = await self._add_beam_steps(request_id, search, one_step)
         except ValueError as e:
-            raise as_parent_error(e, first_id, request_id) from e
+            raise as_parent_error(e, f"{request_id}-beam0-0", request_id) from e
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        steps = self._run_beam_search(request_id, prompt, search, [(first_id, first)], queue)
+        steps = self._run_beam_search(request_id, prompt, search, one_step, first, queue)
         task = asyncio.get_running_loop().create_task(steps)
         self._beam_searches[request_id] = task
         task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None))
         return self._stream_outputs(request_id, queue)
+
+    async def _add_beam_steps(
+        self, request_id: str, search: BeamSearch, one_step: SamplingParams
+    ) -> list[tuple[str, AsyncIterator[RequestOutput]]]:
+        """Adds the search's next step: one request per live beam, named
+        f"{request_id}-beam{step}-{i}"; if one cannot be added, those added are aborted."""
+        steps: list[tuple[str, AsyncIterator[RequestOutput]]] = []
+        try:
+            for i, tokens in enumerate(search.prompts()):
+                step_id = f"{request_id}-beam{search.num_steps}-{i}"
+                steps.append(
+                    (step_id, await self.add_request(step_id, None, tokens, one_step, "final"))
+                )
+        except BaseException:
+            for step_id, _ in steps:
+                self.abort(step_id)
+            raise
+        return steps
 
     async def _run_beam_search(
         self,
         request_id: str,
         prompt: str | None,
         search: BeamSearch,
+        one_step: SamplingParams,
         steps: list[tuple[str, AsyncIterator[RequestOutput]]],
         queue: asyncio.Queue,
     ) -> None:
         """The search's steps, then its output (or the error that ended it) on `queue`."""
-        one_step = step_params(search.params)
         num_cached_tokens = None
         try:
             while True:
@@ -209,13 +225,7 @@ class AsyncLLM:
                 search.advance([step_candidates(final) for final in finals])
                 if search.done:
                     break
-                step_ids = [
-                    f"{request_id}-beam{search.num_steps}-{i}" for i in range(len(search.beams))
-                ]
-                steps = []
-                for step_id, tokens in zip(step_ids, search.prompts()):
-                    outputs = await self.add_request(step_id, None, tokens, one_step, "final")
-                    steps.append((step_id, outputs))
+                steps = await self._add_beam_steps(request_id, search, one_step)
             tokenizer = self.output_processor.tokenizer
             decode = (
                 None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
@@ -223,7 +233,7 @@ class AsyncLLM:
             queue.put_nowait(search.request_output(request_id, prompt, decode, num_cached_tokens))
         except Exception as e:  # the reader raises it (EngineDeadError: a 503)
             queue.put_nowait(e)
-        finally:  # cancelled (aborted): steps added but never read are still in the core
+        finally:  # cancelled (aborted) while a step runs: its requests are still in the core
             for step_id, _ in steps:
                 self.abort(step_id)
 
