@@ -7,13 +7,15 @@ leak fixture cannot see their resources: `assert_gone` checks them by pid and na
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -164,3 +166,35 @@ def metric(server: RemoteServer, name: str) -> float:
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
+
+
+def hang_up_once(
+    server: RemoteServer,
+    path: str,
+    body: dict,
+    started: Callable[[], bool],
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Posts a non-streamed `body` and closes the connection as soon as `started()` (e.g. a
+    request shows as running on /metrics): a client that gives up waiting. Hanging up on that
+    event, not after a read time-out, keeps the test independent of how fast the machine is.
+
+    Raises:
+        AssertionError: the response arrived first, or nothing started within the time limit.
+    """
+    payload = json.dumps(body).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: 127.0.0.1:{server.port}"]
+    head += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    deadline = time.monotonic() + scaled(30)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=scaled(30)) as sock:
+        sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + payload)
+        while not started():
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+        sock.setblocking(False)
+        try:
+            answer = sock.recv(4096)
+        except BlockingIOError:
+            answer = b""
+        assert not answer, f"the response came before the client hung up: {answer[:200]!r}"
