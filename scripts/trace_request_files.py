@@ -6,7 +6,7 @@ Starts `python -m v1engine.serve` (default model, TP=1 unless `--tensor-parallel
 profiler installed in every process it starts (a `sitecustomize` on PYTHONPATH, which spawned
 engine-core and worker processes inherit), sends one warm-up chat request, then one traced chat
 request. A function call counts when it starts inside the traced window; a file counts once, at
-its first call. Start-up and the warm-up request are excluded, so what is listed is the request's
+its first call (`--functions` also prints, per file, the functions the request entered). Start-up and the warm-up request are excluded, so what is listed is the request's
 own path: HTTP -> processor -> engine-core client -> core -> executor -> worker -> model -> back.
 """
 
@@ -32,13 +32,19 @@ _dir = os.environ.get("V1ENGINE_TRACE_DIR")
 if _dir:
     _pkg = os.path.join(os.environ["V1ENGINE_TRACE_REPO"], "v1engine") + os.sep
     _first = {}
+    _functions = {}
     _on = [False]
 
     def _profile(frame, event, arg):
         if event == "call" and _on[0]:
-            name = frame.f_code.co_filename
-            if name.startswith(_pkg) and name not in _first:
-                _first[name] = time.time()
+            code = frame.f_code
+            name = code.co_filename
+            if name.startswith(_pkg):
+                if name not in _first:
+                    _first[name] = time.time()
+                    _functions[name] = []
+                if code.co_qualname not in _functions[name]:
+                    _functions[name].append(code.co_qualname)
         return None
 
     def _watch():
@@ -50,7 +56,7 @@ if _dir:
             time.sleep(0.005)
         _on[0] = False
         with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
-            json.dump(_first, f)
+            json.dump({"first": _first, "functions": _functions}, f)
 
     sys.setprofile(_profile)
     threading.setprofile(_profile)
@@ -90,7 +96,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def trace(args: argparse.Namespace, trace_dir: str) -> list[tuple[float, str]]:
+def trace(args: argparse.Namespace, trace_dir: str) -> list[tuple[float, str, list[str]]]:
     with open(os.path.join(trace_dir, "sitecustomize.py"), "w") as f:
         f.write(_SITECUSTOMIZE)
     marks = os.path.join(trace_dir, "marks")
@@ -116,12 +122,16 @@ def trace(args: argparse.Namespace, trace_dir: str) -> list[tuple[float, str]]:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     first: dict[str, float] = {}
+    functions: dict[str, list[str]] = {}
     for name in os.listdir(marks):
         if name.endswith(".json"):
             with open(os.path.join(marks, name)) as f:
-                for path, t in json.load(f).items():
-                    first[path] = min(t, first.get(path, t))
-    return sorted((t, path) for path, t in first.items())
+                recorded = json.load(f)
+            for path, t in recorded["first"].items():
+                first[path] = min(t, first.get(path, t))
+                seen = functions.setdefault(path, [])
+                seen += [q for q in recorded["functions"][path] if q not in seen]
+    return sorted((t, path, functions[path]) for path, t in first.items())
 
 
 def main() -> None:
@@ -131,16 +141,23 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="write the file list here")
+    parser.add_argument(
+        "--functions", action="store_true", help="also print the functions entered in each file"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="v1engine-trace-") as trace_dir:
         calls = trace(args, trace_dir)
     rows = []
-    for _, path in calls:
+    for _, path, functions in calls:
         with open(path) as f:
             num_lines = sum(1 for _ in f)
-        rows.append({"file": os.path.relpath(path, _REPO), "lines": num_lines})
+        rows.append(
+            {"file": os.path.relpath(path, _REPO), "lines": num_lines, "functions": functions}
+        )
     for i, row in enumerate(rows, 1):
         print(f"{i:3d}  {row['lines']:4d}  {row['file']}")
+        if args.functions:
+            print("           " + ", ".join(row["functions"]))
     total = sum(row["lines"] for row in rows)
     print(f"{len(rows)} files, {total} lines")
     if args.json:
