@@ -301,6 +301,14 @@ class ServerMetrics:
         for core_id in list(self.requests):
             self.finish_request(core_id, finished_reason)
 
+    def value(self, name: str) -> float:
+        """A series' current value by its exposition name (e.g. "vllm:prompt_tokens_total");
+        for series labelled by the model name only."""
+        value = self.registry.get_sample_value(name, {"model_name": self.model_name})
+        if value is None:
+            raise KeyError(f"no series {name!r} in the server's metrics")
+        return value
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

@@ -52,11 +52,16 @@ def make_tiny_checkpoint(directory: str) -> str:
 
 
 def serve_module(
-    model: str, tmp_path_factory: Any, *extra_args: str, tp: int = 2
+    model: str,
+    tmp_path_factory: Any,
+    *extra_args: str,
+    tp: int = 2,
+    env: dict[str, str] | None = None,
 ) -> Iterator[RemoteServer]:
     """The body of a module-scoped server fixture (`yield from` it): the server, started; after
     the module, it must stop with exit status 0 and leave nothing behind."""
-    remote = RemoteServer(model, str(tmp_path_factory.mktemp("server_logs")), *extra_args, tp=tp)
+    log_dir = str(tmp_path_factory.mktemp("server_logs"))
+    remote = RemoteServer(model, log_dir, *extra_args, tp=tp, env=env)
     try:
         remote.wait_ready()
         yield remote
@@ -67,16 +72,30 @@ def serve_module(
 
 
 class RemoteServer:
-    """Starts the server; `url`, `port`, `proc` once `wait_ready()` returned."""
+    """Starts the server (its environment: this one's, updated with `env`); `url`, `port`,
+    `proc` once `wait_ready()` returned."""
 
-    def __init__(self, model: str, log_dir: str, *extra_args: str, tp: int = 2) -> None:
+    def __init__(
+        self,
+        model: str,
+        log_dir: str,
+        *extra_args: str,
+        tp: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log_path = os.path.join(log_dir, f"server-{time.monotonic_ns()}.log")
         args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", "0"]
         args += ["--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp)]
         args += ["--max-model-len", "256", "--kv-cache-memory-bytes", str(8 << 20)]
         args += list(extra_args)
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.port: int | None = None
         self.descendants: list[int] = []
 

@@ -3,18 +3,21 @@
 the response, one id may serve two requests at once, a bad id is a 400 naming where it came from;
 --enable-request-id-headers puts an X-Request-Id on every response, --return-tokens-as-token-ids
 names every request's logprob tokens by id, --enable-log-requests logs requests (prompts cut to
---max-log-len), and --allowed-origins limits CORS to the origins given."""
+--max-log-len), --allowed-origins limits CORS to the origins given, and the periodic stats line
+(vLLM's "Avg prompt throughput: ...") reports the work done."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import re
+import time
 
 import httpx
 import openai
 import pytest
 
 from tests.entrypoints.openai.server_utils import serve_module
+from tests.timeouts import scaled
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -27,7 +30,13 @@ def server(tiny_model, tmp_path_factory):
     flags += ("--enable-log-requests", "--max-log-len", "10")
     flags += ("--allowed-origins", f'["{ORIGIN}"]')
     yield from serve_module(
-        tiny_model, tmp_path_factory, "--served-model-name", MODEL, *flags, tp=1
+        tiny_model,
+        tmp_path_factory,
+        "--served-model-name",
+        MODEL,
+        *flags,
+        tp=1,
+        env={"V1ENGINE_LOG_STATS_INTERVAL": "0.2"},
     )
 
 
@@ -119,3 +128,14 @@ def test_cors_answers_the_allowed_origin_only(server):
     assert "access-control-allow-origin" not in other.headers
     models = httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN})
     assert models.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_the_stats_line_reports_the_generation(server, client):
+    client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=32, extra_body={"ignore_eos": True}
+    )
+    busy = re.compile(r"Avg generation throughput: ([1-9]\d*\.\d) tokens/s, Running: \d+ reqs")
+    deadline = time.monotonic() + scaled(30)
+    while not busy.search(server.log_text()):  # every 0.2 s, one for an interval with tokens
+        assert time.monotonic() < deadline, server.log_text()[-3000:]
+        time.sleep(0.05)

@@ -2,10 +2,12 @@
 server (tiny random llama with SmolLM2's tokenizer and chat template): the ids are the tokenizer's
 own, chat messages are rendered exactly as /v1/chat/completions renders them, and text and chats
 round-trip through detokenize. The same server takes its sampling defaults from a
-`--generation-config` folder.
+`--generation-config` folder, and with --disable-log-stats logs no stats line.
 """
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -27,8 +29,9 @@ def server(tiny_model, tmp_path_factory):
     generation = tmp_path_factory.mktemp("generation")
     (generation / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 7}')
     args = ("--api-key", API_KEY, "--served-model-name", MODEL)
-    args += ("--generation-config", str(generation))
-    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
+    args += ("--generation-config", str(generation), "--disable-log-stats")
+    env = {"V1ENGINE_LOG_STATS_INTERVAL": "0.2"}  # were it on, a line every 0.2 s
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1, env=env)
 
 
 def _post(server: RemoteServer, path: str, body: dict) -> httpx.Response:
@@ -135,3 +138,10 @@ def test_requests_take_the_generation_configs_defaults(server):
     }
     assert len(free) > 1
     assert "generation_config.json: max_tokens=7, top_k=1 (for requests" in server.log_text()
+
+
+def test_disable_log_stats_keeps_the_stats_line_out(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    client.completions.create(model=MODEL, prompt="Once", max_tokens=7)
+    time.sleep(1.0)  # five intervals at which the line would have come
+    assert "Avg generation throughput" not in server.log_text()

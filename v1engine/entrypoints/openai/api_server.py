@@ -35,6 +35,7 @@ from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
+from v1engine.engine.stat_logger import LoggingStatLogger
 from v1engine.entrypoints.openai.errors import APIError, HTTPMiddleware, install_error_handlers
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
 from v1engine.entrypoints.openai.protocol import (
@@ -251,9 +252,12 @@ def build_state(
 
 
 # -- running --------------------------------------------------------------------------------------
-async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
+async def serve(
+    args: argparse.Namespace, state: ServerState, sock: Any, stats_interval_s: float | None
+) -> int:
     """Serves on `sock` until a signal (returns 0) or the engine's death (returns 1); the engine
-    core is ready (startup.run_server got it there)."""
+    core is ready (startup.run_server got it there). Logs the stats line every
+    `stats_interval_s` (None: never)."""
     engine = state.engine
     config: EngineConfig = engine.config
     server = _Server(
@@ -267,6 +271,9 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
         engine,
     )
     engine.start(on_dead=lambda: setattr(server, "should_exit", True))
+    stats = None
+    if stats_interval_s is not None:
+        stats = asyncio.create_task(LoggingStatLogger(state.metrics).run(stats_interval_s))
     try:
         kv = describe_kv_capacity(engine.client.info)
         names = state.completion.served_model_names
@@ -278,6 +285,9 @@ async def serve(args: argparse.Namespace, state: ServerState, sock: Any) -> int:
         await server.serve(sockets=[sock])
         engine_died = engine.is_dead
     finally:
+        if stats is not None:
+            stats.cancel()
+            await asyncio.gather(stats, return_exceptions=True)
         await engine.stop()
         engine.client.shutdown()
     if engine_died:

@@ -21,6 +21,7 @@ from typing import Any
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.core_client import EngineCoreClient
 from v1engine.engine.generation_defaults import describe
+from v1engine.engine.stat_logger import log_stats_interval_s
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
 from v1engine.process import install_sigterm_handler
@@ -45,6 +46,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
     options = ServingOptions.from_cli_args(args)
+    # A bad V1ENGINE_LOG_STATS_INTERVAL fails here, before the engine starts.
+    stats_interval_s = None if args.disable_log_stats else log_stats_interval_s()
     if engine_args.model is None:
         from v1engine.model.hf_config import default_model_path
 
@@ -68,7 +71,7 @@ def run_server(args: argparse.Namespace) -> int:
                 metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
                 engine = AsyncLLM(client, tokenizer, config, metrics)
                 state = build_state(engine, tokenizer, names, engine_args.model, limits, options)
-                return asyncio.run(serve(args, state, sock))
+                return asyncio.run(serve(args, state, sock, stats_interval_s))
             finally:
                 client.shutdown()
     finally:
