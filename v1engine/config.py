@@ -43,6 +43,9 @@ class ModelConfig:
     max_model_len: int = 2048
     seed: int = 0
     enforce_eager: bool = False
+    # Runs the checkpoint's own Python (its config.json's `auto_map`: config and tokenizer
+    # classes); off unless the user trusts the checkpoint, as in transformers and vLLM.
+    trust_remote_code: bool = False
     hf_config: Any = None
     # Where sampling defaults come from ("auto": the model's generation_config.json, "vllm":
     # none, or a folder), and what `EngineArgs.create_engine_config` read there.

@@ -51,6 +51,7 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     seed: int = 0
     enforce_eager: bool = False
+    trust_remote_code: bool = False
     # vLLM's: "auto" takes the model's generation_config.json sampling defaults, "vllm" none,
     # a folder that folder's file (`engine/generation_defaults.py`).
     generation_config: str = "auto"
@@ -102,7 +103,7 @@ class EngineArgs:
         if self.model is not None:
             from v1engine.model.hf_config import load_hf_config, resolve_max_model_len
 
-            hf_config = load_hf_config(self.model)
+            hf_config = load_hf_config(self.model, self.trust_remote_code)
             max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         return ModelConfig(
             model=self.model,
@@ -111,6 +112,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             enforce_eager=self.enforce_eager,
+            trust_remote_code=self.trust_remote_code,
             hf_config=hf_config,
             generation_config=self.generation_config,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),

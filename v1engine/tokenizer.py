@@ -32,7 +32,12 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     path = prepare_checkpoint(source)
     config = _stand_in_config(path, model_config) if source == model_config.model else None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, config=config)
+        return AutoTokenizer.from_pretrained(
+            path,
+            local_files_only=True,
+            config=config,
+            trust_remote_code=model_config.trust_remote_code,
+        )
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(
             f"cannot load a tokenizer from {path!r} ({e}); give tokenizer=<dir with tokenizer "

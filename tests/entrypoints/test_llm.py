@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 
 import pytest
 
@@ -16,7 +17,7 @@ from tests.entrypoints.llm_utils import (
     make_llm,
     token_ids,
 )
-from tests.model.checkpoints import load_hf_model, make_checkpoint
+from tests.model.checkpoints import give_own_config_class, load_hf_model, make_checkpoint
 from tests.process_utils import run_script
 from v1engine.request import EngineCoreRequest
 from v1engine.sampling_params import SamplingParams
@@ -54,6 +55,17 @@ def test_other_architectures_equal_transformers(tmp_path, arch):
     with make_llm(checkpoint, tensor_parallel_size=2) as llm:
         got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     assert got == hf_greedy(load_hf_model(checkpoint), PROMPTS, GREEDY.max_tokens)
+
+
+def test_trust_remote_code_runs_a_checkpoint_with_its_own_config_class(
+    llama_checkpoint, hf_model, tmp_path
+):
+    checkpoint = give_own_config_class(shutil.copytree(llama_checkpoint, tmp_path / "own"))
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        make_llm(checkpoint)
+    with make_llm(checkpoint, trust_remote_code=True) as llm:
+        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
 
 
 def test_preemption_and_chunked_prefill_keep_tokens_exact(llama_checkpoint, hf_model):

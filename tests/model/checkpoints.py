@@ -113,6 +113,32 @@ def make_checkpoint(
     return path
 
 
+_OWN_CONFIG_CLASS = """from transformers import LlamaConfig
+
+
+class FancyLlamaConfig(LlamaConfig):
+    model_type = "fancy_llama"
+"""
+
+
+def give_own_config_class(path: str) -> str:
+    """Turns the llama checkpoint at `path` into one whose config class is its own code (a
+    `configuration_fancy.py` named by config.json's `auto_map`, model type "fancy_llama"), which
+    only `trust_remote_code` may load; returns `path`."""
+    import json
+
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["model_type"] = "fancy_llama"
+    config["auto_map"] = {"AutoConfig": "configuration_fancy.FancyLlamaConfig"}
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(path, "configuration_fancy.py"), "w") as f:
+        f.write(_OWN_CONFIG_CLASS)
+    return path
+
+
 def load_hf_model(path: str) -> torch.nn.Module:
     """The transformers model saved at `path`, float32, eval mode: the reference for parity."""
     from transformers import AutoModelForCausalLM

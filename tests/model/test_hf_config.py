@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.model.checkpoints import make_checkpoint, make_config
+from tests.model.checkpoints import give_own_config_class, make_checkpoint, make_config
 from tests.timeouts import scaled
 from v1engine.model.hf_config import (
     check_tensor_parallel_shape,
@@ -38,6 +38,17 @@ def test_load_hf_config_from_directory(tmp_path):
     assert config.model_type == "qwen3"
     assert get_architecture(config) == "Qwen3ForCausalLM"
     assert prepare_checkpoint(path) == path  # an HF directory passes through
+
+
+def test_a_config_class_of_the_checkpoints_own_needs_trust_remote_code(tmp_path):
+    path = give_own_config_class(make_checkpoint(tmp_path, "llama"))
+    with pytest.raises(ValueError, match="(?s)its own config class.*pass --trust-remote-code"):
+        load_hf_config(path)  # raises, never asks on stdin as transformers would
+    config = load_hf_config(path, trust_remote_code=True)
+    assert config.model_type == "fancy_llama" and get_architecture(config) == "LlamaForCausalLM"
+    # The trusted load's cached config is not an untrusted load's.
+    with pytest.raises(ValueError, match="--trust-remote-code"):
+        load_hf_config(path)
 
 
 def test_load_hf_config_rejects_missing_path(tmp_path):

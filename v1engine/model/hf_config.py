@@ -39,12 +39,14 @@ class HFConfig(types.SimpleNamespace):
     at start-up). Read attributes, or `getattr(config, name, default)` for optional ones."""
 
 
-def load_hf_config(model: str) -> HFConfig:
+def load_hf_config(model: str, trust_remote_code: bool = False) -> HFConfig:
     """The transformers config of a local HF directory or `.gguf` file (weights are not read; a
-    GGUF file's config is read from its converted directory, see `prepare_checkpoint`).
+    GGUF file's config is read from its converted directory, see `prepare_checkpoint`);
+    `trust_remote_code` lets a config class of the checkpoint's own (`auto_map`) run.
 
     Raises:
-        ValueError: `model` is neither a directory with config.json nor a .gguf file.
+        ValueError: `model` is neither a directory with config.json nor a .gguf file, or its
+            config needs its own code and `trust_remote_code` is off.
     """
     path = os.path.expanduser(model)
     if is_gguf_file(path):
@@ -57,7 +59,7 @@ def load_hf_config(model: str) -> HFConfig:
             "v1engine loads local checkpoints only (download one first, e.g. with "
             "`huggingface-cli download`, and pass its directory)"
         )
-    config = HFConfig(**_config_dict(path))
+    config = HFConfig(**_config_dict(path, trust_remote_code))
     if not getattr(config, "architectures", None):
         # GGUF metadata names the model type but not the HF class.
         arch = architecture_for_model_type(getattr(config, "model_type", None))
@@ -66,15 +68,17 @@ def load_hf_config(model: str) -> HFConfig:
     return config
 
 
-def _config_dict(path: str) -> dict[str, Any]:
+def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
     """transformers' full config of the HF directory `path` as JSON values, cached under
-    `~/.cache/v1engine/hf_configs` by the bytes of its config.json and the transformers version:
-    importing transformers' config classes takes ~3 s, which a cache hit spares the front end
-    before it can start the engine core."""
+    `~/.cache/v1engine/hf_configs` by the bytes of its config.json, the transformers version and
+    `trust_remote_code` (a hit must not let untrusted code's result in): importing transformers'
+    config classes takes ~3 s, which a cache hit spares the front end before it can start the
+    engine core."""
     with open(os.path.join(path, "config.json"), "rb") as f:
         raw = f.read()
     version = importlib.metadata.version("transformers")
-    key = hashlib.sha256(raw + b"\0" + version.encode()).hexdigest()[:32]
+    trust = b"trust" if trust_remote_code else b""
+    key = hashlib.sha256(raw + b"\0" + version.encode() + b"\0" + trust).hexdigest()[:32]
     cache_file = os.path.join(os.path.expanduser(DEFAULT_CACHE_DIR), "hf_configs", f"{key}.json")
     try:
         with open(cache_file) as f:
@@ -83,7 +87,18 @@ def _config_dict(path: str) -> dict[str, Any]:
         pass
     from transformers import AutoConfig
 
-    values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
+    try:
+        # An explicit False: transformers raises instead of asking on stdin.
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"the checkpoint {path!r} defines its own config class (config.json's auto_map), "
+            "which is Python code from the checkpoint; if you trust it, pass "
+            "--trust-remote-code (LLM(..., trust_remote_code=True))"
+        ) from None
+    values = json.loads(hf_config.to_json_string(use_diff=False))
     # Private keys (the path it was read from) would be stale for the next directory.
     values = {name: value for name, value in values.items() if not name.startswith("_")}
     write_atomically(cache_file, json.dumps(values))

@@ -78,7 +78,7 @@ class Worker(WorkerBase):
             )
         hf_config = model_config.hf_config
         if hf_config is None:  # a ModelConfig built by hand rather than by EngineArgs
-            hf_config = load_hf_config(model_config.model)
+            hf_config = load_hf_config(model_config.model, model_config.trust_remote_code)
         get_architecture(hf_config)  # fail before joining the group, naming supported ones
         world_size = self.config.parallel_config.world_size
         device_type = self.config.device_config.device_type
