@@ -1,13 +1,14 @@
 """Which v1engine files one chat request crosses, in every process, in the order it reaches them.
 
-    .venv/bin/python scripts/trace_request_files.py [--model PATH] [--json out.json]
+    .venv/bin/python scripts/trace_request_files.py [--model PATH] [--functions] [--json out.json]
 
 Starts `python -m v1engine.serve` (default model, TP=1 unless `--tensor-parallel-size`) with a
 profiler installed in every process it starts (a `sitecustomize` on PYTHONPATH, which spawned
 engine-core and worker processes inherit), sends one warm-up chat request, then one traced chat
 request. A function call counts when it starts inside the traced window; a file counts once, at
-its first call (`--functions` also prints, per file, the functions the request entered). Start-up and the warm-up request are excluded, so what is listed is the request's
-own path: HTTP -> processor -> engine-core client -> core -> executor -> worker -> model -> back.
+its first call (`--functions` also prints, per file, the functions the request entered).
+Start-up and the warm-up request are excluded, so what is listed is the request's own path:
+HTTP -> processor -> engine-core client -> core -> executor -> worker -> model -> back.
 """
 
 from __future__ import annotations
