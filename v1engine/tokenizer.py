@@ -20,11 +20,12 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
 
     Raises:
         ValueError: the checkpoint has no tokenizer files; pass `skip_tokenizer_init=True` and
-            token-id prompts, or point `tokenizer` at a directory that has one.
+            token-id prompts, or point `tokenizer` at a directory that has one. Or its tokenizer
+            class is its own code and `trust_remote_code` is off.
     """
     from transformers import AutoTokenizer
 
-    from v1engine.model.hf_config import prepare_checkpoint
+    from v1engine.model.hf_config import prepare_checkpoint, untrusted_code_error
 
     source = model_config.tokenizer or model_config.model
     if source is None:
@@ -39,6 +40,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
             trust_remote_code=model_config.trust_remote_code,
         )
     except (OSError, ValueError, TypeError) as e:
+        if not model_config.trust_remote_code and "trust_remote_code" in str(e):
+            raise untrusted_code_error(path, "tokenizer class") from None
         raise ValueError(
             f"cannot load a tokenizer from {path!r} ({e}); give tokenizer=<dir with tokenizer "
             "files>, or skip_tokenizer_init=True with token-id prompts"

@@ -121,22 +121,53 @@ class FancyLlamaConfig(LlamaConfig):
 """
 
 
+_OWN_TOKENIZER_CLASS = """from transformers import PreTrainedTokenizerFast
+
+
+class FancyTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
 def give_own_config_class(path: str) -> str:
     """Turns the llama checkpoint at `path` into one whose config class is its own code (a
     `configuration_fancy.py` named by config.json's `auto_map`, model type "fancy_llama"), which
     only `trust_remote_code` may load; returns `path`."""
+    _add_own_class(path, "config.json", "configuration_fancy.py", _OWN_CONFIG_CLASS)
+    _update_json(
+        os.path.join(path, "config.json"),
+        model_type="fancy_llama",
+        auto_map={"AutoConfig": "configuration_fancy.FancyLlamaConfig"},
+    )
+    return path
+
+
+def give_own_tokenizer_class(path: str) -> str:
+    """Likewise for the tokenizer of the checkpoint at `path` (a fast one): `FancyTokenizer`
+    from its `tokenization_fancy.py`, named by tokenizer_config.json's `auto_map`."""
+    _add_own_class(path, "tokenizer_config.json", "tokenization_fancy.py", _OWN_TOKENIZER_CLASS)
+    _update_json(
+        os.path.join(path, "tokenizer_config.json"),
+        tokenizer_class="FancyTokenizer",
+        auto_map={"AutoTokenizer": [None, "tokenization_fancy.FancyTokenizer"]},
+    )
+    return path
+
+
+def _add_own_class(path: str, json_name: str, module_name: str, source: str) -> None:
+    assert os.path.isfile(os.path.join(path, json_name)), f"{path} has no {json_name}"
+    with open(os.path.join(path, module_name), "w") as f:
+        f.write(source)
+
+
+def _update_json(json_file: str, **values: Any) -> None:
     import json
 
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["model_type"] = "fancy_llama"
-    config["auto_map"] = {"AutoConfig": "configuration_fancy.FancyLlamaConfig"}
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2)
-    with open(os.path.join(path, "configuration_fancy.py"), "w") as f:
-        f.write(_OWN_CONFIG_CLASS)
-    return path
+    with open(json_file) as f:
+        content = json.load(f)
+    content.update(values)
+    with open(json_file, "w") as f:
+        json.dump(content, f, indent=2)
 
 
 def load_hf_model(path: str) -> torch.nn.Module:

@@ -8,7 +8,12 @@ import os
 import pytest
 import torch
 
-from tests.model.checkpoints import give_own_config_class, make_checkpoint, make_config
+from tests.model.checkpoints import (
+    give_own_config_class,
+    give_own_tokenizer_class,
+    make_checkpoint,
+    make_config,
+)
 from tests.timeouts import scaled
 from v1engine.model.hf_config import (
     check_tensor_parallel_shape,
@@ -49,6 +54,22 @@ def test_a_config_class_of_the_checkpoints_own_needs_trust_remote_code(tmp_path)
     # The trusted load's cached config is not an untrusted load's.
     with pytest.raises(ValueError, match="--trust-remote-code"):
         load_hf_config(path)
+
+
+def test_a_tokenizer_class_of_the_checkpoints_own_needs_trust_remote_code(tmp_path):
+    from transformers import AutoTokenizer
+
+    from v1engine.config import ModelConfig
+    from v1engine.tokenizer import load_tokenizer
+
+    path = make_checkpoint(tmp_path, "llama")
+    AutoTokenizer.from_pretrained(prepare_checkpoint(_smollm2_path())).save_pretrained(path)
+    give_own_tokenizer_class(path)
+    with pytest.raises(ValueError, match="(?s)its own tokenizer class.*pass --trust-remote-code"):
+        load_tokenizer(ModelConfig(model=path))
+    tokenizer = load_tokenizer(ModelConfig(model=path, trust_remote_code=True))
+    assert type(tokenizer).__name__ == "FancyTokenizer"
+    assert tokenizer.decode(tokenizer.encode("a fox")) == "a fox"
 
 
 def test_load_hf_config_rejects_missing_path(tmp_path):

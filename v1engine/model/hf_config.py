@@ -68,6 +68,16 @@ def load_hf_config(model: str, trust_remote_code: bool = False) -> HFConfig:
     return config
 
 
+def untrusted_code_error(path: str, what: str) -> ValueError:
+    """The error for a checkpoint whose `what` is its own Python code (an `auto_map` entry),
+    loaded without trust_remote_code."""
+    return ValueError(
+        f"the checkpoint {path!r} defines its own {what} (an auto_map entry), which is Python "
+        "code from the checkpoint; if you trust it, pass --trust-remote-code "
+        "(LLM(..., trust_remote_code=True))"
+    )
+
+
 def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
     """transformers' full config of the HF directory `path` as JSON values, cached under
     `~/.cache/v1engine/hf_configs` by the bytes of its config.json, the transformers version and
@@ -77,8 +87,8 @@ def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
     with open(os.path.join(path, "config.json"), "rb") as f:
         raw = f.read()
     version = importlib.metadata.version("transformers")
-    trust = b"trust" if trust_remote_code else b""
-    key = hashlib.sha256(raw + b"\0" + version.encode() + b"\0" + trust).hexdigest()[:32]
+    trust = b"\0trust_remote_code" if trust_remote_code else b""
+    key = hashlib.sha256(raw + b"\0" + version.encode() + trust).hexdigest()[:32]
     cache_file = os.path.join(os.path.expanduser(DEFAULT_CACHE_DIR), "hf_configs", f"{key}.json")
     try:
         with open(cache_file) as f:
@@ -93,11 +103,7 @@ def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
     except ValueError as e:
         if trust_remote_code or "trust_remote_code" not in str(e):
             raise
-        raise ValueError(
-            f"the checkpoint {path!r} defines its own config class (config.json's auto_map), "
-            "which is Python code from the checkpoint; if you trust it, pass "
-            "--trust-remote-code (LLM(..., trust_remote_code=True))"
-        ) from None
+        raise untrusted_code_error(path, "config class") from None
     values = json.loads(hf_config.to_json_string(use_diff=False))
     # Private keys (the path it was read from) would be stale for the next directory.
     values = {name: value for name, value in values.items() if not name.startswith("_")}
