@@ -52,6 +52,29 @@ def test_width_one_is_greedy_decoding(llm):
     assert beams == token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
+def test_a_concurrency_limit_runs_the_searches_in_turn_with_the_same_results(llm, monkeypatch):
+    prompts = PROMPTS[:3]
+    params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    together = llm.beam_search(prompts, params)
+    step_sizes = []  # beams per step
+    generate = llm.generate
+
+    def recording_generate(beams, *args, **kwargs):
+        step_sizes.append(len(beams))
+        return generate(beams, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", recording_generate)
+    one_at_a_time = llm.beam_search(prompts, params, concurrency_limit=1)
+    assert step_sizes == [1, 2, 2, 2] * 3  # one search at a time: its first step has 1 beam
+    for alone, batched in zip(one_at_a_time, together):
+        # Other batch shapes may move the last bits of a logprob, not the beams.
+        assert [s.tokens for s in alone.sequences] == [s.tokens for s in batched.sequences]
+        for a, b in zip(alone.sequences, batched.sequences):
+            assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-4)
+    with pytest.raises(ValueError, match="concurrency_limit must be >= 1 or None, got 0"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+
+
 def test_a_prompt_the_engine_refuses_raises_and_leaves_nothing_running(llm):
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -135,27 +135,37 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt (see `BeamSearchParams`), the searches' steps batched
         into one `generate` each; returns one BeamSearchOutput per prompt, in order, whose
         sequences (tokens and text: the prompt's and the output's, as vLLM's) come best first.
+        `concurrency_limit` (vLLM's): at most this many prompts' searches run at once, which
+        bounds the batch and the KV cache the searches hold (None: all).
 
         Raises:
-            ValueError: a bad prompt (as `generate`); no request of this call is left running.
+            ValueError: a bad prompt (as `generate`), or a concurrency_limit below 1; no request
+                of this call is left running.
         """
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1 or None, got {concurrency_limit}")
         info, eos_token_id = self.processor.info, self.processor.eos_token_id
         searches = [
             BeamSearch(self.processor.tokenize(prompt)[1], params, eos_token_id, info.max_model_len)
             for prompt in _as_prompt_list(prompts)
         ]
+        limit = concurrency_limit or max(len(searches), 1)
+        batches = [searches[i : i + limit] for i in range(0, len(searches), limit)]
         one_step = step_params(params)
-        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
-            while live := [search for search in searches if not search.done]:
-                beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
-                outputs = iter(self.generate(beams, one_step, use_tqdm=False))
-                for search in live:
-                    search.advance([step_candidates(next(outputs)) for _ in search.beams])
-                bar.update(1)
+        total = params.max_tokens * len(batches)
+        with tqdm(total=total, desc="Beam search", disable=not use_tqdm) as bar:
+            for batch in batches:
+                while live := [search for search in batch if not search.done]:
+                    beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
+                    outputs = iter(self.generate(beams, one_step, use_tqdm=False))
+                    for search in live:
+                        search.advance([step_candidates(next(outputs)) for _ in search.beams])
+                    bar.update(1)
         decode = None if self.tokenizer is None else self.tokenizer.decode
         return [search.output(decode) for search in searches]
 
