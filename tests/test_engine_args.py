@@ -14,6 +14,7 @@ from v1engine.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_DTYPES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     ModelConfig,
@@ -34,6 +35,7 @@ def test_cli_choices_are_the_config_lists():
         "dtype": MODEL_DTYPES,
         "kv_cache_dtype": CACHE_DTYPES,
         "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
+        "scheduling_policy": SCHEDULING_POLICIES,
     }
 
 

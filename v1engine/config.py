@@ -16,6 +16,8 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CACHE_DTYPES = MODEL_DTYPES
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
+# vLLM's: first come, first served, or by each request's priority (lower first), then arrival.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
 
 
@@ -122,11 +124,13 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     # Plan step N+1 while the workers run step N (vLLM's async scheduling); see EngineCore.step.
     async_scheduling: bool = True
+    policy: str = "fcfs"  # SCHEDULING_POLICIES; see core/scheduler.py
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             _require(value >= 1, f"{name} must be >= 1, got {value}")
+        _require_choice("policy", self.policy, SCHEDULING_POLICIES)
 
 
 @dataclass(frozen=True)

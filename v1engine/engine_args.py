@@ -13,6 +13,7 @@ from v1engine.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_DTYPES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -26,6 +27,7 @@ _CHOICES = {
     "dtype": MODEL_DTYPES,
     "kv_cache_dtype": CACHE_DTYPES,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
+    "scheduling_policy": SCHEDULING_POLICIES,
 }
 
 
@@ -47,6 +49,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
+    # vLLM's: "fcfs", or "priority" (requests carry a priority, lower served first).
+    scheduling_policy: str = "fcfs"
     distributed_executor_backend: str = "mp"
     worker_cls: str = DEFAULT_WORKER_CLS
     seed: int = 0
@@ -83,6 +87,7 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 async_scheduling=self.async_scheduling,
+                policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=self.device),
         )

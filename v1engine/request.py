@@ -30,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = msgspec.field(default_factory=time.time)
+    priority: int = 0  # with the "priority" scheduling policy: lower is served first
 
 
 def validate_request(
@@ -149,8 +150,10 @@ class Request:
         eos_token_id: int | None,
         max_model_len: int,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         if sampling_params.min_tokens > 0 and sampling_params._eos_token_id != eos_token_id:
             # The workers mask EOS until min_tokens and know it only from the params (a copy:
@@ -190,6 +193,7 @@ class Request:
             eos_token_id=request.eos_token_id,
             max_model_len=max_model_len,
             arrival_time=request.arrival_time,
+            priority=request.priority,
         )
 
     @property

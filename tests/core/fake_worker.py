@@ -48,9 +48,10 @@ def make_scheduler(
     max_model_len: int = 128,
     enable_prefix_caching: bool = True,
     num_groups: int = 1,
+    policy: str = "fcfs",
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_model_len, max_num_batched_tokens, max_num_seqs),
+        SchedulerConfig(max_model_len, max_num_batched_tokens, max_num_seqs, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         make_kv_cache_config(num_blocks, block_size, num_groups),
     )
@@ -61,6 +62,7 @@ def make_request(
     prompt_token_ids: list[int],
     max_model_len: int = 128,
     eos_token_id: int | None = EOS_TOKEN_ID,
+    priority: int = 0,
     **sampling_kwargs,
 ) -> Request:
     sampling_kwargs.setdefault("max_tokens", 8)
@@ -70,7 +72,8 @@ def make_request(
         SamplingParams(**sampling_kwargs),
         eos_token_id=eos_token_id,
         max_model_len=max_model_len,
-        arrival_time=0.0,
+        arrival_time=0.0,  # ties keep the order requests were added in
+        priority=priority,
     )
 
 

@@ -68,6 +68,19 @@ def test_trust_remote_code_runs_a_checkpoint_with_its_own_config_class(
     assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
 
 
+def test_priority_needs_its_policy_and_never_changes_the_tokens(llm_tp1, llama_checkpoint):
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        llm_tp1.generate(PROMPTS[:2], GREEDY, use_tqdm=False, priority=[0, 1])
+    assert all_blocks_free(llm_tp1)  # the first prompt, added already, was aborted
+    expected = token_ids(llm_tp1.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with make_llm(llama_checkpoint, scheduling_policy="priority", max_num_seqs=2) as llm:
+        last_first = list(range(len(PROMPTS), 0, -1))
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=last_first)
+        assert token_ids(outputs) == expected
+        with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+            llm.generate(PROMPTS[:2], GREEDY, priority=[1])
+
+
 def test_preemption_and_chunked_prefill_keep_tokens_exact(llama_checkpoint, hf_model):
     # 14 usable blocks of 4 tokens cannot hold five requests at once, so the scheduler must
     # preempt and recompute; a 16-token budget chunks the 37-token prompt.

@@ -24,6 +24,11 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
 placeholders, advances grammars and finishes requests; a prefill chunk that samples nothing sends
 an output only when it carries prompt logprobs.
 
+With the "priority" policy (vLLM's), both queues are kept in (priority, arrival time) order,
+lower first, instead of arrival and admission order: the waiting queue's head is the most urgent
+request (a preempted one goes back to its place, not to the front), running requests get the
+budget in that order, and the one preempted is the least urgent (latest among equals).
+
 Async scheduling (the engine core plans step N+1 while the workers run step N) needs nothing
 else: a request whose token of step N is still a placeholder is scheduled one more token on top
 of it, and the workers fill that token in themselves (they append what they sample). It is not
@@ -35,6 +40,7 @@ a request that has finished since is dropped.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -78,10 +84,11 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
         )
+        self.by_priority = scheduler_config.policy == "priority"
         # Every unfinished request, by id; each is in exactly one of `waiting` and `running`.
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # In admission order, so the last one is the newest (the one preempted first).
+        # In admission order (or priority order), so the last one is the one preempted first.
         self.running: list[Request] = []
         # Finished or aborted since the last SchedulerOutput: the workers drop their state.
         self.finished_req_ids: set[str] = set()
@@ -97,7 +104,10 @@ class Scheduler:
             assert self.structured_output_manager is not None, "structured outputs need a manager"
             self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -183,7 +193,10 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_priority_key)
+        else:
+            self.waiting.appendleft(request)
         self.num_preemptions += 1
         plan.preempted_req_ids.add(request.request_id)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
@@ -212,7 +225,10 @@ class Scheduler:
                 plan.resumed_req_ids.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort(self.running, request, key=_priority_key)
+            else:
+                self.running.append(request)
             # The manager's returned blocks exclude the hits; a new or resumed request is sent
             # its whole table anyway.
             plan.add(request, num_new_tokens, new_blocks)
@@ -338,6 +354,10 @@ class Scheduler:
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
         )
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
 
 
 def _logprobs_by_request(output: ModelRunnerOutput) -> dict[str, LogprobsLists]:

@@ -114,10 +114,11 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Sends the request's n engine requests; returns its outputs, to iterate until it
         finishes (the iterator holds the request's queue, so outputs that arrive before the
-        iteration starts wait there).
+        iteration starts wait there). `priority`: see `Processor.process`.
 
         Raises:
             ValueError: the request cannot be served (prompt too long, bad sampling values);
@@ -133,7 +134,7 @@ class AsyncLLM:
         sent: list[str] = []  # a send cancelled half-way may have reached the core: counted
         try:
             requests = self.processor.process(
-                request_id, prompt, prompt_token_ids, params, output_kind
+                request_id, prompt, prompt_token_ids, params, output_kind, priority
             )
             for request in requests:
                 self.metrics.add_request(

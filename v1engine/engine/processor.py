@@ -53,6 +53,7 @@ class Processor:
         self.info = info
         self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
         self.model_config = config.model_config
+        self.scheduling_policy = config.scheduler_config.policy
         # Built on the first structured request (it reads the whole vocabulary once).
         self._grammar_backend: GrammarBackend | None = None
         # The API server checks grammars from threads: one backend, built once.
@@ -114,9 +115,11 @@ class Processor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_kind: OutputKind,
+        priority: int = 0,
     ) -> list[EngineCoreRequest]:
         """Registers the request (its n children when n > 1) with the output processor and
-        returns the core requests to send, in order.
+        returns the core requests to send, in order. `priority` (lower is served first) needs
+        the "priority" scheduling policy.
 
         The prompt is first cut to its last `params.truncate_prompt_tokens` tokens, and bad
         words are tokenized into `params._bad_words_token_ids` (on a copy) for the workers.
@@ -124,8 +127,10 @@ class Processor:
         Raises:
             ValueError: the request cannot be served (empty or too long a prompt, token ids
                 outside the vocabulary, bad sampling values, stop strings or bad words without a
-                tokenizer, an id already in use), named by `request_id`; nothing is registered.
+                tokenizer, an id already in use, a priority the policy ignores), named by
+                `request_id`; nothing is registered.
         """
+        check_priority(priority, self.scheduling_policy)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         if params.bad_words and self.tokenizer is None:
@@ -138,7 +143,8 @@ class Processor:
         if params.bad_words:
             token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
-        parent = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_id)
+        eos = self.eos_token_id
+        parent = EngineCoreRequest(request_id, prompt_token_ids, params, eos, priority=priority)
         info = self.info
         in_use = self.output_processor.parent_states
         validate_request(parent, info.max_model_len, info.vocab_size, in_use)
@@ -148,7 +154,7 @@ class Processor:
                 child_id, prompt, prompt_token_ids, params, output_kind, request_id, index
             )
             requests.append(
-                EngineCoreRequest(child_id, prompt_token_ids, child_params, self.eos_token_id)
+                EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, priority=priority)
             )
         return requests
 
@@ -208,6 +214,19 @@ def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]
             if token_ids and token_ids not in sequences:
                 sequences.append(token_ids)
     return sequences
+
+
+def check_priority(priority: Any, policy: str) -> None:
+    """Raises ValueError for a priority that is not an int, or not 0 under "fcfs" (which would
+    silently ignore it)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority {priority} needs the priority scheduling policy, but this engine serves "
+            "first come, first served; restart it with --scheduling-policy priority "
+            "(LLM(..., scheduling_policy='priority')), or send priority 0"
+        )
 
 
 def make_child_requests(

@@ -78,18 +78,26 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order (with
         `prompt_logprobs` filled for params that set `SamplingParams.prompt_logprobs`).
+        `priority`, one per prompt (vLLM's; lower is served first), needs
+        `scheduling_policy="priority"`.
 
         Raises:
-            ValueError: a bad prompt or sampling value; no request of this call is left running.
+            ValueError: a bad prompt, sampling value or priority; no request of this call is
+                left running.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
-        request_ids = self._add_requests(prompts, params)
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        request_ids = self._add_requests(prompts, params, priority)
         try:
             outputs = self._run_engine(len(request_ids), use_tqdm)
         except BaseException:  # Ctrl-C included: no request of this call outlives it
@@ -194,15 +202,20 @@ class LLM:
         return self.client.reset_prefix_cache()
 
     # -- steps ---------------------------------------------------------------------------------
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priorities: Sequence[int],
+    ) -> list[str]:
         parent_ids: list[str] = []
         try:
-            for prompt, sampling_params in zip(prompts, params):
+            for prompt, sampling_params, priority in zip(prompts, params, priorities):
                 text, token_ids = self.processor.tokenize(prompt)
                 parent_id = str(next(self._request_ids))
                 parent_ids.append(parent_id)
                 requests = self.processor.process(
-                    parent_id, text, token_ids, sampling_params, "final"
+                    parent_id, text, token_ids, sampling_params, "final", priority
                 )
                 for request in requests:
                     try:

@@ -144,7 +144,7 @@ def test_every_vllm_sampling_field_is_accepted(server, client):
         "skip_special_tokens": True,
         "spaces_between_special_tokens": True,
         "truncate_prompt_tokens": 5,
-        "priority": 0,  # first come, first served: the one priority there is
+        "priority": 0,  # under the default policy (first come, first served) only 0 is taken
         "use_beam_search": False,
         "length_penalty": 1.0,  # beam search's; its default is accepted without it
     }
@@ -171,7 +171,7 @@ def test_every_vllm_sampling_field_is_accepted(server, client):
         ({"logit_bias": {"not-a-token": 1}}, "logit_bias", "logit_bias"),
         ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "stream"),
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs", "--max-logprobs"),
-        ({"extra_body": {"priority": 1}}, "priority", "first come, first served"),
+        ({"extra_body": {"priority": 1}}, "priority", "--scheduling-policy priority"),
     ],
     ids=[
         "best_of",

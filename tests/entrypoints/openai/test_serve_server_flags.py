@@ -3,8 +3,9 @@
 the response, one id may serve two requests at once, a bad id is a 400 naming where it came from;
 --enable-request-id-headers puts an X-Request-Id on every response, --return-tokens-as-token-ids
 names every request's logprob tokens by id, --enable-log-requests logs requests (prompts cut to
---max-log-len), --allowed-origins limits CORS to the origins given, and the periodic stats line
-(vLLM's "Avg prompt throughput: ...") reports the work done."""
+--max-log-len), --allowed-origins limits CORS to the origins given, --scheduling-policy priority
+takes each request's `priority`, and the periodic stats line (vLLM's "Avg prompt throughput:
+...") reports the work done."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ ORIGIN = "https://ui.example"
 def server(tiny_model, tmp_path_factory):
     flags = ("--enable-request-id-headers", "--return-tokens-as-token-ids")
     flags += ("--enable-log-requests", "--max-log-len", "10")
-    flags += ("--allowed-origins", f'["{ORIGIN}"]')
+    flags += ("--allowed-origins", f'["{ORIGIN}"]', "--scheduling-policy", "priority")
     yield from serve_module(
         tiny_model,
         tmp_path_factory,
@@ -139,3 +140,25 @@ def test_the_stats_line_reports_the_generation(server, client):
     while not busy.search(server.log_text()):  # every 0.2 s, one for an interval with tokens
         assert time.monotonic() < deadline, server.log_text()[-3000:]
         time.sleep(0.05)
+
+
+def test_the_priority_policy_takes_each_requests_priority(client):
+    def complete(priority: int) -> str:
+        out = client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"priority": priority, "ignore_eos": True},
+        )
+        return out.choices[0].text
+
+    assert complete(-3) == complete(0) == complete(7)
+    with pytest.raises(openai.BadRequestError, match="does not take priority") as info:
+        client.completions.create(
+            model=MODEL,
+            prompt="hi",
+            max_tokens=2,
+            extra_body={"priority": 1, "use_beam_search": True},
+        )
+    assert info.value.body["param"] == "priority"

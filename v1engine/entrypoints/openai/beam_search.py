@@ -38,6 +38,8 @@ def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) 
         for f in fields(SamplingParams)
         if not f.name.startswith("_") and getattr(params, f.name) != getattr(plain, f.name)
     ]
+    if request.priority != 0:  # its steps are scheduled as any request's
+        unsupported.append("priority")
     if unsupported:
         raise APIError(
             f"use_beam_search does not take {', '.join(unsupported)}: a beam search takes n (the "

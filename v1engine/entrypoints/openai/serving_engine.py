@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError, final_output
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
-from v1engine.engine.processor import truncate_prompt
+from v1engine.engine.processor import check_priority, truncate_prompt
 from v1engine.entrypoints.openai.beam_search import beam_search_params
 from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.limits import RequestLimits
@@ -54,6 +54,7 @@ class EngineInput:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
+    priority: int = 0
 
 
 # One engine request of an HTTP request: its id and its outputs.
@@ -121,12 +122,10 @@ class OpenAIServing:
             raise APIError(
                 f"best_of is not supported, got {request.best_of}; use n", param="best_of"
             )
-        if request.priority != 0:
-            raise APIError(
-                f"priority is not supported, got {request.priority}: this server schedules "
-                "first come, first served; send 0 or drop the field",
-                param="priority",
-            )
+        try:
+            check_priority(request.priority, self.engine.config.scheduler_config.policy)
+        except ValueError as e:
+            raise APIError(str(e), param="priority") from None
         if request.length_penalty != 1.0 and not request.use_beam_search:
             raise APIError(
                 f"length_penalty scores beam search only, got {request.length_penalty} without "
@@ -192,7 +191,7 @@ class OpenAIServing:
         """
         params = self.make_sampling_params(request, len(prompt_token_ids), structured_outputs)
         if not request.use_beam_search:
-            return EngineInput(prompt, prompt_token_ids, params)
+            return EngineInput(prompt, prompt_token_ids, params, request.priority)
         search = beam_search_params(request, params, self.limits.max_logprobs)
         truncate_to = params.truncate_prompt_tokens
         prompt_token_ids = truncate_prompt(prompt_token_ids, truncate_to, self.max_model_len)
@@ -286,7 +285,7 @@ class OpenAIServing:
                 engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
             )
         return self.engine.add_request(
-            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
+            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.priority
         )
 
     def _log_request(self, engine_id: str, x: EngineInput) -> None:
