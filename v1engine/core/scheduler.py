@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -104,10 +104,20 @@ class Scheduler:
             assert self.structured_output_manager is not None, "structured outputs need a manager"
             self.structured_output_manager.grammar_init(request)
         self.requests[request.request_id] = request
+        self._put(self.waiting, request, self.waiting.append)
+
+    def _put(
+        self,
+        queue: deque[Request] | list[Request],
+        request: Request,
+        first_come: Callable[[Request], None],
+    ) -> None:
+        """Puts `request` in its place in `queue`: by (priority, arrival) under the priority
+        policy, else where `first_come` puts it (the back, or a preempted request's front)."""
         if self.by_priority:
-            bisect.insort(self.waiting, request, key=_priority_key)
+            bisect.insort(queue, request, key=_priority_key)
         else:
-            self.waiting.append(request)
+            first_come(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -193,10 +203,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        if self.by_priority:
-            bisect.insort(self.waiting, request, key=_priority_key)
-        else:
-            self.waiting.appendleft(request)
+        self._put(self.waiting, request, self.waiting.appendleft)
         self.num_preemptions += 1
         plan.preempted_req_ids.add(request.request_id)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
@@ -225,10 +232,7 @@ class Scheduler:
                 plan.resumed_req_ids.add(request.request_id)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if self.by_priority:
-                bisect.insort(self.running, request, key=_priority_key)
-            else:
-                self.running.append(request)
+            self._put(self.running, request, self.running.append)
             # The manager's returned blocks exclude the hits; a new or resumed request is sent
             # its whole table anyway.
             plan.add(request, num_new_tokens, new_blocks)
