@@ -59,7 +59,8 @@ class EngineArgs:
     # vLLM's: "auto" takes the model's generation_config.json sampling defaults, "vllm" none,
     # a folder that folder's file (`engine/generation_defaults.py`).
     generation_config: str = "auto"
-    # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it.
+    # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it (it
+    # refuses False, which would ask for stats it cannot give).
     disable_log_stats: bool = False
 
     def create_engine_config(self) -> EngineConfig:

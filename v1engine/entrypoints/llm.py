@@ -47,6 +47,11 @@ class LLM:
     def __init__(
         self, model: str | None = None, skip_tokenizer_init: bool = False, **engine_args: Any
     ) -> None:
+        if engine_args.get("disable_log_stats") is False:
+            raise ValueError(
+                "disable_log_stats=False: LLM logs no stats (the periodic stats line is the API "
+                "server's, python -m v1engine.serve); drop the argument"
+            )
         if model is None:
             from v1engine.model.hf_config import default_model_path
 
