@@ -19,6 +19,7 @@ from v1engine.config import (
     SchedulerConfig,
 )
 from v1engine.engine_args import EngineArgs
+from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "EngineCore",
     "ModelConfig",
     "ParallelConfig",
+    "PoolingParams",
     "SamplingParams",
     "SchedulerConfig",
     "__version__",

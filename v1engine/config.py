@@ -18,6 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 # vLLM's: first come, first served, or by each request's priority (lower first), then arrival.
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --runner: "generate" samples tokens, "pooling" embeds each prompt (pooling_params.py);
+# "auto" is "generate" (every architecture here is a causal LM).
+RUNNER_TYPES = ("auto", "generate", "pooling")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
 
 
@@ -53,9 +56,11 @@ class ModelConfig:
     # none, or a folder), and what `EngineArgs.create_engine_config` read there.
     generation_config: str = "auto"
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    runner_type: str = "generate"  # RUNNER_TYPES but "auto", which EngineArgs resolves
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)
+        _require_choice("runner_type", self.runner_type, RUNNER_TYPES[1:])
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
 
 

@@ -13,6 +13,7 @@ from v1engine.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_DTYPES,
+    RUNNER_TYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -28,6 +29,7 @@ _CHOICES = {
     "kv_cache_dtype": CACHE_DTYPES,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "runner": RUNNER_TYPES,
 }
 
 
@@ -62,6 +64,8 @@ class EngineArgs:
     # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it (it
     # refuses False, which would ask for stats it cannot give).
     disable_log_stats: bool = False
+    # vLLM's: "pooling" serves embeddings (LLM.embed, /v1/embeddings) instead of generating.
+    runner: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
@@ -104,6 +108,8 @@ class EngineArgs:
         and the sampling defaults of its generation_config.json."""
         from v1engine.engine.generation_defaults import load_sampling_defaults
 
+        if self.runner not in RUNNER_TYPES:
+            raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         hf_config = None
         max_model_len = self.max_model_len or 2048
         if self.model is not None:
@@ -122,6 +128,7 @@ class EngineArgs:
             hf_config=hf_config,
             generation_config=self.generation_config,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            runner_type="generate" if self.runner == "auto" else self.runner,
         )
 
     @staticmethod

@@ -86,6 +86,9 @@ class ModelRunnerOutput:
     # prompt position p run this step, in order, scoring prompt token p + 1 (column 0 and its
     # rank), then the request's own top k (see worker/prompt_logprobs.py).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # A pooling engine's: per request whose prompt ended this step, its last token's final
+    # hidden state (it samples nothing; see pooling_params.py).
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 # -- what users get ------------------------------------------------------------------------------
@@ -139,4 +142,20 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Prompt tokens served from the prefix cache (the OpenAI usage `cached_tokens`).
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's `LLM.embed` result); `finished` is always True."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
     num_cached_tokens: int = 0

@@ -292,6 +292,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # `Request.scheduled_ts`, for the metrics.
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    # A pooling engine's result, with the request's finish: ModelRunnerOutput.pooler_output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,7 +22,8 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
 
 `update_from_output()` later turns a step's sampled tokens into outputs: it fills the
 placeholders, advances grammars and finishes requests; a prefill chunk that samples nothing sends
-an output only when it carries prompt logprobs.
+an output only when it carries prompt logprobs. A pooling engine's workers return a hidden state
+where they would sample: its request finishes with it ("stop"), never decoding.
 
 With the "priority" policy (vLLM's), both queues are kept in (priority, arrival time) order,
 lower first, instead of arrival and admission order: the waiting queue's head is the most urgent
@@ -258,19 +259,25 @@ class Scheduler:
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = _logprobs_by_request(model_runner_output)
         prompt_logprobs = model_runner_output.prompt_logprobs
+        pooled = model_runner_output.pooler_output
         outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # finished or aborted after it was scheduled: its token is dropped
             tokens = sampled.get(req_id, [])
-            # Workers sample only where the scheduler counted a placeholder.
-            assert request.num_output_placeholders >= len(tokens), request
-            request.num_output_placeholders -= len(tokens)
+            # Workers sample (or pool) only where the scheduler counted a placeholder.
+            num_filled = len(tokens) + (req_id in pooled)
+            assert request.num_output_placeholders >= num_filled, request
+            request.num_output_placeholders -= num_filled
             # Preempted while its step ran: the token still counts; it resumes after it.
             preempted = request.status == RequestStatus.PREEMPTED
             output = self._update_request(
-                request, tokens, logprobs.get(req_id), prompt_logprobs.get(req_id)
+                request,
+                tokens,
+                logprobs.get(req_id),
+                prompt_logprobs.get(req_id),
+                pooled.get(req_id),
             )
             if output is not None:
                 outputs.append(output)
@@ -286,19 +293,23 @@ class Scheduler:
         sampled: list[int],
         logprobs: LogprobsLists | None,
         prompt_logprobs: LogprobsLists | None,
+        pooled: list[float] | None = None,
     ) -> EngineCoreOutput | None:
+        if pooled is not None:
+            request.status = RequestStatus.FINISHED_STOPPED  # its prompt is all it needed
         new_token_ids: list[int] = []
         for token_id in sampled:
             request.append_output_token_ids([token_id])
             new_token_ids.append(token_id)
             if check_stop(request, self.max_model_len) or self._advance_grammar(request, token_id):
                 break
-        if not new_token_ids and prompt_logprobs is None:
+        if not new_token_ids and prompt_logprobs is None and pooled is None:
             return None
         if request.is_finished():
             self._free_request(request)
         # The first output with tokens (a prompt-logprobs chunk before it has none).
         first = bool(new_token_ids) and request.num_output_tokens == len(new_token_ids)
+        first = first or pooled is not None
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,
@@ -309,6 +320,7 @@ class Scheduler:
             num_cached_tokens=request.num_cached_tokens,
             queued_ts=request.queued_ts if first else 0.0,
             scheduled_ts=request.scheduled_ts if first else 0.0,
+            pooling_output=pooled,
         )
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:

@@ -34,7 +34,9 @@ from v1engine.engine.logprobs import (
     new_prompt_logprobs,
     prompt_logprobs_for_output,
 )
-from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+from v1engine.engine.pooling_state import PoolingState
+from v1engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -224,7 +226,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, RequestState | PoolingState] = {}
         self.parent_states: dict[str, ParentState] = {}
         self._token_text: dict[int, str] = {}  # token id -> decoded alone, for logprobs
 
@@ -274,21 +276,33 @@ class OutputProcessor:
             index,
         )
 
+    def add_pooling_request(
+        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams
+    ) -> None:
+        """Starts tracking one embedding request (a pooling engine's; its core id is its id)."""
+        if request_id in self.request_states:
+            raise ValueError(f"request_id {request_id!r} is already running; use a unique id")
+        self.request_states[request_id] = PoolingState(request_id, prompt_token_ids, params)
+
     def process_outputs(
         self, engine_core_outputs: Iterable[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
         """One step: returns `(request_outputs, request_ids_to_abort)`.
 
         `request_outputs` has at most one entry per request (an n > 1 parent's children folded
         into one); `request_ids_to_abort` are the requests a stop string finished, which the
         caller must abort in the core. Finished requests are forgotten.
         """
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[RequestOutput | EmbeddingRequestOutput] = []
         request_ids_to_abort: list[str] = []
         child_completions: dict[str, list[CompletionOutput]] = {}
         for output in engine_core_outputs:
             state = self.request_states.get(output.request_id)
             if state is None:
+                continue
+            if isinstance(state, PoolingState):  # its one output, with its finish
+                del self.request_states[state.request_id]
+                request_outputs.append(state.make_output(output))
                 continue
             if state.update(output, self._decode_token):
                 request_ids_to_abort.append(state.request_id)

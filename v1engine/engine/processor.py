@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
+from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreRequest, validate_request
 from v1engine.sampling_params import SamplingParams
 from v1engine.structured_outputs.params import StructuredOutputsParams
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 
 # A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = str | list[int] | dict[str, Any]
+
+# A pooling engine schedules each prompt as a one-token generation; its workers return the
+# prompt's last hidden state where they would sample that token.
+_POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class Processor:
@@ -130,6 +135,7 @@ class Processor:
                 tokenizer, an id already in use, a priority the policy ignores), named by
                 `request_id`; nothing is registered.
         """
+        self._require_runner("generate", "generation")
         check_priority(priority, self.scheduling_policy)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
@@ -157,6 +163,44 @@ class Processor:
                 EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, priority=priority)
             )
         return requests
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+    ) -> EngineCoreRequest:
+        """Registers an embedding request with the output processor and returns the one core
+        request to send (its id is `request_id`; the prompt cut to truncate_prompt_tokens).
+
+        Raises:
+            ValueError: the engine does not pool, or the request cannot be served (as
+                `process`, or dimensions the model was not trained for); nothing registered.
+        """
+        self._require_runner("pooling", "embeddings")
+        check_priority(priority, self.scheduling_policy)
+        params.check_for_model(self.model_config.hf_config, self.model_config.model)
+        info = self.info
+        prompt_token_ids = truncate_prompt(
+            prompt_token_ids, params.truncate_prompt_tokens, info.max_model_len
+        )
+        request = EngineCoreRequest(
+            request_id, prompt_token_ids, _POOLING_SAMPLING_PARAMS, priority=priority
+        )
+        in_use = self.output_processor.request_states  # a pooling engine's requests: no n > 1
+        validate_request(request, info.max_model_len, info.vocab_size, in_use)
+        self.output_processor.add_pooling_request(request_id, prompt_token_ids, params)
+        return request
+
+    def _require_runner(self, runner_type: str, what: str) -> None:
+        if self.model_config.runner_type != runner_type:
+            other = self.model_config.runner_type
+            raise ValueError(
+                f"{what} needs an engine started with runner={runner_type!r}, but this one "
+                f"runs its model with runner={other!r}; restart it with --runner {runner_type} "
+                f"(LLM(..., runner={runner_type!r}))"
+            )
 
     def check_grammar(self, params: StructuredOutputsParams) -> None:
         """Compiles the grammar (cached: the engine core's compile in this process is then a

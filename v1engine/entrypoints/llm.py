@@ -5,6 +5,7 @@ its workers do not. Prompts go through the same `Processor` as the API server's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,8 @@ from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
-from v1engine.outputs import RequestOutput
+from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
 
@@ -182,6 +184,46 @@ class LLM:
         decode = None if self.tokenizer is None else self.tokenizer.decode
         return [search.output(decode) for search in searches]
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeds every prompt (`outputs.embedding`: the last token's final hidden state, cut
+        and L2-normalized as `pooling_params` say); needs `runner="pooling"`.
+        `truncate_prompt_tokens` (vLLM's) overrides the params' own.
+
+        Raises:
+            ValueError: not a pooling engine, a bad prompt or params; no request of this call
+                is left running.
+        """
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        elif len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            pooling_params = [
+                dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+                for params in pooling_params
+            ]
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, pooling_params):
+                request_id = str(next(self._request_ids))
+                token_ids = self.processor.tokenize(prompt)[1]
+                request = self.processor.process_pooling(request_id, token_ids, params)
+                request_ids.append(request_id)
+                self.client.add_request(request)
+            outputs = self._run_engine(len(request_ids), use_tqdm, "Embedding")
+        except BaseException:
+            self._abort(request_ids)
+            raise
+        return [_embedding(outputs[request_id]) for request_id in request_ids]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's recommended
         ones from its generation_config.json (see `generation_config`), else SamplingParams()."""
@@ -237,9 +279,12 @@ class LLM:
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
             self.client.abort_requests(core_ids)
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=num_requests, desc="Generating", disable=not use_tqdm) as bar:
+    def _run_engine(
+        self, num_requests: int, use_tqdm: bool, desc: str = "Generating"
+    ) -> dict[str, Any]:
+        """Each request's final output (a RequestOutput, or an EmbeddingRequestOutput), by id."""
+        finished: dict[str, Any] = {}
+        with tqdm(total=num_requests, desc=desc, disable=not use_tqdm) as bar:
             while self.output_processor.has_unfinished_requests():
                 outputs = self.client.get_output().outputs
                 request_outputs, to_abort = self.output_processor.process_outputs(outputs)
@@ -268,6 +313,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
         return [prompts]  # one prompt given as token ids
     return list(prompts)
+
+
+def _embedding(output: EmbeddingRequestOutput | RequestOutput) -> EmbeddingRequestOutput:
+    if isinstance(output, EmbeddingRequestOutput):
+        return output
+    reason = output.outputs[0].finish_reason  # the core refused it (it logged why)
+    raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without an embedding")
 
 
 def _as_params_list(

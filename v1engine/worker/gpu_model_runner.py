@@ -12,7 +12,8 @@ A step (`execute_model`):
    the LM head gathers over the tensor-parallel group); the driver alone samples (a greedy step
    of a few requests on one CPU rank reads the LM head through `greedy_screen.py`), and every
    rank appends the driver's tokens to its request states (the next step may already be
-   scheduled on top of them).
+   scheduled on top of them). A pooling engine (`runner="pooling"`) samples nothing: the
+   driver returns those last tokens' hidden states instead.
 
 The class runs on CPU or CUDA alike; its name follows vLLM.
 """
@@ -87,6 +88,8 @@ class GPUModelRunner:
         self.max_num_reqs = scheduler_config.max_num_seqs
         self.max_num_tokens = scheduler_config.max_num_batched_tokens
         self.vocab_size: int = hf_config.vocab_size
+        # A pooling engine returns prompts' last hidden states instead of sampling.
+        self.pooling = model_config.runner_type == "pooling"
         self.model: torch.nn.Module | None = None
         self.attn_layers: dict[str, Attention] = {}
         self.attn_backend: AttentionBackend | None = None
@@ -275,6 +278,8 @@ class GPUModelRunner:
         )
         # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
         hidden, prompt_logprobs = self._run_model(inputs, query_lens)
+        if self.pooling:
+            return self._pool(hidden, inputs, req_ids)
         sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
         self.states.append_sampled(req_ids, sampled)
         if not self.is_driver:
@@ -301,6 +306,18 @@ class GPUModelRunner:
         """The rows the LM head reads, or None where it reads them all (decodes only)."""
         every_row = len(inputs.sampling_rows) == inputs.input_ids.shape[0]
         return None if every_row else inputs.logits_indices
+
+    def _pool(
+        self, hidden: torch.Tensor, inputs: ModelInputs, req_ids: list[str]
+    ) -> ModelRunnerOutput | None:
+        """A pooling engine's step: each request whose prompt ended here gets its last token's
+        final hidden state (a row of `hidden`), and nothing is sampled. Every rank holds the
+        whole hidden state; the driver replies."""
+        if not self.is_driver:
+            return None
+        vectors = hidden.float().cpu().tolist()
+        pooled = {req_ids[row]: vector for row, vector in zip(inputs.sampling_rows, vectors)}
+        return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
 
     def _sample(
         self,
