@@ -14,6 +14,7 @@ from v1engine.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     MODEL_DTYPES,
+    RUNNER_TYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -36,6 +37,7 @@ def test_cli_choices_are_the_config_lists():
         "kv_cache_dtype": CACHE_DTYPES,
         "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
         "scheduling_policy": SCHEDULING_POLICIES,
+        "runner": RUNNER_TYPES,
     }
 
 
@@ -52,6 +54,10 @@ def test_cli_choices_are_the_config_lists():
             lambda: ParallelConfig(distributed_executor_backend="mpi"),
             f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
             "got 'mpi'",
+        ),
+        (
+            lambda: EngineArgs(runner="embed").create_engine_config(),
+            f"runner must be one of {RUNNER_TYPES}, got 'embed'",
         ),
     ],
 )

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from v1engine.sampling_params import _check
+
 
 @dataclass(frozen=True)
 class PoolingParams:
@@ -23,37 +25,39 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dimensions is not None and (
-            not isinstance(self.dimensions, int) or self.dimensions < 1
-        ):
-            raise ValueError(f"dimensions must be an int >= 1, got {self.dimensions!r}")
-        tokens = self.truncate_prompt_tokens
-        if tokens is not None and (tokens == 0 or tokens < -1):
-            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {tokens}")
+        dimensions, tokens = self.dimensions, self.truncate_prompt_tokens
+        _check(
+            dimensions is None or (isinstance(dimensions, int) and dimensions >= 1),
+            "dimensions",
+            dimensions,
+            "must be an int >= 1 (or None: all)",
+            "PoolingParams",
+        )
+        _check(
+            tokens is None or tokens == -1 or tokens >= 1,
+            "truncate_prompt_tokens",
+            tokens,
+            "must be >= 1 or -1",
+            "PoolingParams",
+        )
 
-    def check_for_model(self, hf_config: Any, model_name: str) -> None:
+    def check_for_model(self, hf_config: Any, model_name: str | None) -> None:
         """Raises ValueError for `dimensions` the model was not trained to be cut to (vLLM's
         rule: the model must be matryoshka, and the size one of its listed ones if it lists
         them)."""
         if self.dimensions is None:
             return
+        error = f"PoolingParams.dimensions {self.dimensions}: model {model_name!r}"
         listed = getattr(hf_config, "matryoshka_dimensions", None)
         if listed is None and not getattr(hf_config, "is_matryoshka", False):
             raise ValueError(
-                f"model {model_name!r} does not support matryoshka representation: changing "
-                f"output dimensions (got {self.dimensions}) would give poor embeddings; drop "
-                "dimensions"
+                f"{error} does not support matryoshka representation, and cutting its "
+                "embeddings would make them poor; drop dimensions"
             )
-        hidden_size = hf_config.hidden_size
         if listed is not None and self.dimensions not in listed:
-            raise ValueError(
-                f"model {model_name!r} supports matryoshka dimensions {list(listed)}, got "
-                f"{self.dimensions}"
-            )
-        if self.dimensions > hidden_size:
-            raise ValueError(
-                f"dimensions {self.dimensions} is more than the model's hidden size {hidden_size}"
-            )
+            raise ValueError(f"{error} supports matryoshka dimensions {list(listed)} only")
+        if self.dimensions > hf_config.hidden_size:
+            raise ValueError(f"{error} has hidden size {hf_config.hidden_size}, fewer")
 
     def apply(self, hidden_state: list[float]) -> list[float]:
         """The embedding of a prompt whose last hidden state is `hidden_state`."""

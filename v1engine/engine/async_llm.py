@@ -31,8 +31,9 @@ from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.processor import Processor, as_parent_error
 from v1engine.logger import init_logger
-from v1engine.outputs import RequestOutput
-from v1engine.request import EngineCoreOutputs
+from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.pooling_params import PoolingParams
+from v1engine.request import EngineCoreOutputs, EngineCoreRequest
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -125,6 +126,41 @@ class AsyncLLM:
                 nothing of it stays in the engine.
             EngineDeadError: the engine is dead.
         """
+        outputs = await self._send(
+            request_id,
+            lambda: self.processor.process(
+                request_id, prompt, prompt_token_ids, params, output_kind, priority
+            ),
+            params.max_tokens,
+        )
+        self.metrics.observe_new_request(params.n)
+        return outputs
+
+    async def encode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """Sends an embedding request (a pooling engine's); returns its one output to iterate,
+        as `add_request` does (and raises as it does)."""
+        return await self._send(
+            request_id,
+            lambda: [
+                self.processor.process_pooling(request_id, prompt_token_ids, params, priority)
+            ],
+            max_tokens=None,
+        )
+
+    async def _send(
+        self,
+        request_id: str,
+        process: Callable[[], list[EngineCoreRequest]],
+        max_tokens: int | None,
+    ) -> AsyncIterator[Any]:
+        """Registers the request (`process` returns its core requests), sends them, and returns
+        its outputs; on any error nothing of it stays in the engine."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self._closed:
@@ -133,12 +169,9 @@ class AsyncLLM:
         self._queues[request_id] = queue
         sent: list[str] = []  # a send cancelled half-way may have reached the core: counted
         try:
-            requests = self.processor.process(
-                request_id, prompt, prompt_token_ids, params, output_kind, priority
-            )
-            for request in requests:
+            for request in process():
                 self.metrics.add_request(
-                    request.request_id, len(request.prompt_token_ids), params.max_tokens
+                    request.request_id, len(request.prompt_token_ids), max_tokens
                 )
                 sent.append(request.request_id)
                 try:
@@ -151,7 +184,6 @@ class AsyncLLM:
             self._forget(request_id, "abort" if isinstance(e, asyncio.CancelledError) else None)
             self._abort_in_core(sent)
             raise
-        self.metrics.observe_new_request(params.n)
         return self._stream_outputs(request_id, queue)
 
     async def beam_search(

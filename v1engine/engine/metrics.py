@@ -245,6 +245,9 @@ class ServerMetrics:
                 continue
             if output.new_token_ids:
                 num_step_tokens += self._observe_tokens(stats, output, outputs.timestamp)
+            elif output.pooling_output is not None:  # an embedding: its prompt, and no tokens
+                self.prompt_tokens.inc(stats.num_prompt_tokens)
+                num_step_tokens += stats.num_prompt_tokens
             if output.finished:
                 self.finish_request(output.request_id, str(output.finish_reason))
         if num_step_tokens:

@@ -188,6 +188,12 @@ class Processor:
         request = EngineCoreRequest(
             request_id, prompt_token_ids, _POOLING_SAMPLING_PARAMS, priority=priority
         )
+        if len(prompt_token_ids) >= info.max_model_len:  # validate_request's words are for output
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens but this "
+                f"engine embeds at most max_model_len - 1 = {info.max_model_len - 1}; shorten it, "
+                "set truncate_prompt_tokens or raise max_model_len"
+            )
         in_use = self.output_processor.request_states  # a pooling engine's requests: no n > 1
         validate_request(request, info.max_model_len, info.vocab_size, in_use)
         self.output_processor.add_pooling_request(request_id, prompt_token_ids, params)

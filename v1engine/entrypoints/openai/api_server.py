@@ -44,9 +44,11 @@ from v1engine.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
@@ -66,6 +68,7 @@ class ServerState:
     engine: AsyncLLM
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    embedding: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     model_path: str
@@ -138,6 +141,11 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await _state(raw_request).chat.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).embedding.create_embedding(request, raw_request)
 
 
 class APIKeyMiddleware(HTTPMiddleware):
@@ -244,6 +252,7 @@ def build_state(
         engine=engine,
         completion=OpenAIServingCompletion(*serving_args),
         chat=OpenAIServingChat(*serving_args),
+        embedding=OpenAIServingEmbedding(*serving_args),
         tokenization=OpenAIServingTokenization(*serving_args),
         metrics=engine.metrics,
         model_path=model_path,

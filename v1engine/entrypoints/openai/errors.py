@@ -26,8 +26,9 @@ from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
 
-# SamplingParams errors read "SamplingParams.<field> ...": the field is the request's param.
-_PARAM_PATTERN = re.compile(r"SamplingParams\.(\w+)")
+# SamplingParams (PoolingParams) errors read "SamplingParams.<field> ...": the field is the
+# request's param.
+_PARAM_PATTERN = re.compile(r"(?:Sampling|Pooling)Params\.(\w+)")
 
 
 class APIError(Exception):
@@ -49,7 +50,8 @@ class APIError(Exception):
 
     @classmethod
     def bad_request(cls, error: ValueError, param: str | None = None) -> APIError:
-        """A 400 for bad input; its param is the SamplingParams field that failed, else `param`."""
+        """A 400 for bad input; its param is the field of SamplingParams (or PoolingParams) that
+        failed, else `param`."""
         match = _PARAM_PATTERN.search(str(error))
         return cls(str(error), param=match.group(1) if match else param)
 

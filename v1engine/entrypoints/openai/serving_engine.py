@@ -1,10 +1,10 @@
-"""OpenAIServing: what the completion and chat endpoints share.
+"""OpenAIServing: what the completion, chat and embedding endpoints share.
 
-That is the model-name check and the server's request limits, the length check against the
-context, adding a request's engine requests (one per prompt, sampled or a beam search, named by
-the client's request id when it sends one) to the AsyncLLM with their errors mapped to HTTP
-statuses, waiting for their final outputs while watching for the client to disconnect, and
-server-sent events.
+That is the model-name, runner and limit checks, the length check against the context, adding a
+request's engine requests (one per prompt: sampled, a beam search or embedded; named by the
+client's request id when it sends one) to the AsyncLLM with their errors mapped to HTTP statuses,
+waiting for their final outputs while watching for the client to disconnect, and server-sent
+events.
 
 Tokenizing a prompt and rendering a chat take time in proportion to the body (seconds for
 megabytes), so they run in a thread (`asyncio.to_thread`): the event loop keeps answering /health
@@ -39,6 +39,7 @@ from v1engine.entrypoints.openai.structured import (
 )
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
+from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.structured_outputs.params import StructuredOutputsParams
 
@@ -53,7 +54,7 @@ class EngineInput:
 
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
+    params: SamplingParams | BeamSearchParams | PoolingParams
     priority: int = 0
 
 
@@ -106,26 +107,42 @@ class OpenAIServing:
                 param="model",
             )
 
-    def check_request(self, request: Any) -> None:
-        """Raises APIError (404, 400) for an unknown model, a request over the server's limits
-        or a field this server does not support; cheap checks, before any tokenizing. Logs the
-        fields the request has that the server ignores, in one line."""
+    def check_model_and_runner(self, request: Any, runner_type: str, other_api: str) -> None:
+        """Raises APIError: 404 for an unknown model, 400 unless the model runs as `runner_type`
+        (one way, as in vLLM; `other_api` is what it serves then). Logs the request's fields
+        the server ignores, in one line."""
         if request.ignored_fields:
             names = ", ".join(repr(name) for name in request.ignored_fields)
             logger.warning(
                 "The following fields were present in the request but ignored: {%s}", names
             )
         self.check_model(request.model)
+        runner = self.engine.config.model_config.runner_type
+        if runner != runner_type:
+            raise APIError(
+                f"this server runs its model with --runner {runner}, which serves {other_api} "
+                f"only; restart it with --runner {runner_type} for this API"
+            )
+
+    def check_priority(self, priority: Any) -> None:
+        """Raises APIError 400 for a priority this server's scheduling policy cannot honour."""
+        try:
+            check_priority(priority, self.engine.config.scheduler_config.policy)
+        except ValueError as e:
+            raise APIError(str(e), param="priority") from None
+
+    def check_request(self, request: Any) -> None:
+        """Raises APIError (404, 400) for an unknown model, a request over the server's limits
+        or a field this server does not support, or a pooling engine (it cannot generate);
+        cheap checks, before any tokenizing. Logs the fields the server ignores."""
+        self.check_model_and_runner(request, "generate", "/v1/embeddings")
         if self.options.return_tokens_as_token_ids:  # the server's flag, for every request
             request.return_tokens_as_token_ids = True
         if request.best_of not in (None, 1):
             raise APIError(
                 f"best_of is not supported, got {request.best_of}; use n", param="best_of"
             )
-        try:
-            check_priority(request.priority, self.engine.config.scheduler_config.policy)
-        except ValueError as e:
-            raise APIError(str(e), param="priority") from None
+        self.check_priority(request.priority)
         if request.length_penalty != 1.0 and not request.use_beam_search:
             raise APIError(
                 f"length_penalty scores beam search only, got {request.length_penalty} without "
@@ -277,28 +294,17 @@ class OpenAIServing:
     def _add(
         self, engine_id: str, x: EngineInput, output_kind: OutputKind
     ) -> Awaitable[AsyncIterator[RequestOutput]]:
-        """The engine call that adds one input: a sampled request, or a beam search."""
+        """The engine call that adds one input: sampled, a beam search, or embedded."""
         if self.options.log_requests:
-            self._log_request(engine_id, x)
+            self.options.log_request(engine_id, x.prompt, x.prompt_token_ids, x.params)
         if isinstance(x.params, BeamSearchParams):
             return self.engine.beam_search(
                 engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
             )
+        if isinstance(x.params, PoolingParams):
+            return self.engine.encode(engine_id, x.prompt_token_ids, x.params, x.priority)
         return self.engine.add_request(
             engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.priority
-        )
-
-    def _log_request(self, engine_id: str, x: EngineInput) -> None:
-        prompt: str | list[int] = x.prompt if x.prompt is not None else x.prompt_token_ids
-        cut = self.options.max_log_len  # None: all of it
-        more = f" (first {cut} of {len(prompt)})" if cut is not None and len(prompt) > cut else ""
-        logger.info(
-            "Received request %s: prompt %r%s, %d prompt tokens, params %s",
-            engine_id,
-            prompt[:cut],
-            more,
-            len(x.prompt_token_ids),
-            x.params,
         )
 
     def abort_all(self, request_ids: list[str]) -> None:

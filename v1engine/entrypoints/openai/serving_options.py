@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from v1engine.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -28,6 +31,22 @@ class ServingOptions:
     # max_log_len characters when set) and sampling params.
     log_requests: bool = False
     max_log_len: int | None = None
+
+    def log_request(
+        self, engine_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
+    ) -> None:
+        """The --enable-log-requests line of one engine request."""
+        shown: str | list[int] = prompt if prompt is not None else prompt_token_ids
+        cut = self.max_log_len  # None: all of it
+        more = f" (first {cut} of {len(shown)})" if cut is not None and len(shown) > cut else ""
+        logger.info(
+            "Received request %s: prompt %r%s, %d prompt tokens, params %s",
+            engine_id,
+            shown[:cut],
+            more,
+            len(prompt_token_ids),
+            params,
+        )
 
     @staticmethod
     def add_cli_args(group: Any) -> None:

@@ -1,0 +1,128 @@
+"""`POST /v1/embeddings` on a real `python -m v1engine.serve --runner pooling` (tiny random llama
+with SmolLM2's tokenizer, TP=2, float32), through the real `openai` client: each embedding is
+transformers' final hidden state at the input's last token, L2-normalized; base64 and float
+encodings carry the same values; batches keep their order and sum their usage; bad input gets a
+400 naming the field; a pooling server refuses to generate, and a generating one to embed.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.entrypoints.openai.server_utils import metric, openai_client, serve_module
+from tests.model.checkpoints import load_hf_model
+from tests.timeouts import scaled
+
+MODEL = "tiny"
+PROMPT_TOKENS = 'vllm:prompt_tokens_total{model_name="tiny"}'
+FINISHED = 'vllm:request_success_total{finished_reason="stop",model_name="tiny"}'
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello", "A b c d e f g h i j k l m n o"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    args = ("--served-model-name", MODEL, "--runner", "pooling", "--dtype", "float32")
+    # A 16-token budget chunks the longer inputs.
+    args += ("--max-num-batched-tokens", "16")
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=2)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model):
+    return load_hf_model(tiny_model)
+
+
+def expected_embedding(hf_model, token_ids: list[int], normalize: bool = True) -> np.ndarray:
+    with torch.no_grad():
+        hidden = hf_model.model(torch.tensor([token_ids])).last_hidden_state[0, -1]
+    if normalize:
+        hidden = torch.nn.functional.normalize(hidden, dim=-1)
+    return hidden.numpy()
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/embeddings", json=body, timeout=scaled(60))
+
+
+def test_openai_client_embeds_a_batch_of_texts(server, client, tokenizer, hf_model):
+    prompt_tokens_before = metric(server, PROMPT_TOKENS)
+    finished_before = metric(server, FINISHED)
+    response = client.embeddings.create(model=MODEL, input=TEXTS)  # base64 on the wire
+    assert response.model == MODEL and response.object == "list"
+    assert response.id.startswith("embd-")
+    token_ids = [tokenizer.encode(text) for text in TEXTS]
+    assert [item.index for item in response.data] == [0, 1, 2]
+    for item, ids in zip(response.data, token_ids):
+        np.testing.assert_allclose(item.embedding, expected_embedding(hf_model, ids), atol=2e-5)
+        assert abs(np.linalg.norm(item.embedding) - 1.0) < 1e-5
+    num_tokens = sum(len(ids) for ids in token_ids)
+    assert (response.usage.prompt_tokens, response.usage.total_tokens) == (num_tokens, num_tokens)
+    assert metric(server, PROMPT_TOKENS) - prompt_tokens_before == num_tokens
+    assert metric(server, FINISHED) - finished_before == len(TEXTS)
+
+
+def test_float_and_base64_encodings_carry_the_same_values(server):
+    body = {"model": MODEL, "input": TEXTS[0]}
+    floats = _post(server, {**body, "encoding_format": "float"}).json()
+    encoded = _post(server, {**body, "encoding_format": "base64"}).json()
+    vector = floats["data"][0]["embedding"]
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(decoded, np.asarray(vector, dtype=np.float32))
+    assert floats["usage"] == encoded["usage"]
+
+
+def test_token_id_inputs_and_vllm_fields(server, client, hf_model):
+    ids = [[5, 9, 22, 7, 100], [300, 301]]
+    response = client.embeddings.create(
+        model=MODEL, input=ids, extra_body={"normalize": False, "truncate_prompt_tokens": 4}
+    )
+    for item, prompt in zip(response.data, ids):
+        expected = expected_embedding(hf_model, prompt[-4:], normalize=False)
+        np.testing.assert_allclose(item.embedding, expected, atol=5e-5, rtol=1e-4)
+    assert response.usage.prompt_tokens == 4 + 2
+    one = client.embeddings.create(model=MODEL, input=ids[1])
+    expected = expected_embedding(hf_model, ids[1])
+    np.testing.assert_allclose(one.data[0].embedding, expected, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"dimensions": 8}, "dimensions", "does not support matryoshka"),
+        ({"dimensions": 0}, "dimensions", "must be an int >= 1"),
+        ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens", "must be >= 1 or -1"),
+        ({"input": ""}, "input", "the prompt is empty"),
+        ({"input": ["a", ""]}, "input", "prompt 1 of the batch"),
+        ({"input": [7] * 300}, "input", "embeds at most max_model_len - 1 = 255"),
+        ({"input": [49152]}, "input", "outside the vocabulary"),
+        ({"encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+        ({"priority": 3}, "priority", "--scheduling-policy priority"),
+    ],
+)
+def test_bad_embedding_requests_get_a_400_naming_the_field(server, fields, param, words):
+    response = _post(server, {"model": MODEL, "input": "hi", **fields})
+    error = response.json()["error"]
+    assert response.status_code == 400, error
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_a_pooling_server_refuses_to_generate(server, client):
+    with pytest.raises(openai.BadRequestError, match="--runner generate"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="serves /v1/embeddings only"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert client.embeddings.create(model=MODEL, input="still serving").data
+
+
+def test_a_generating_server_refuses_to_embed(tiny_model, tmp_path_factory):
+    for remote in serve_module(tiny_model, tmp_path_factory, "--served-model-name", MODEL, tp=1):
+        client = openai_client(remote)
+        with pytest.raises(openai.BadRequestError, match="restart it with --runner pooling"):
+            client.embeddings.create(model=MODEL, input="hi")
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices

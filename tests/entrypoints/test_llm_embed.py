@@ -1,0 +1,127 @@
+"""`LLM.embed` on a pooling engine (`runner="pooling"`), against transformers: each embedding is
+the prompt's last token's final hidden state (L2-normalized unless asked not to), whatever the
+batch, the chunking of a long prompt, the prefix cache or the tensor-parallel size; PoolingParams
+cut matryoshka models and refuse the others; a pooling engine refuses to generate and a
+generating one to embed, with errors naming the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.entrypoints.llm_utils import PROMPTS, all_blocks_free, make_llm
+from tests.model.checkpoints import load_hf_model, make_checkpoint
+from v1engine import PoolingParams, SamplingParams
+
+
+def hf_last_hidden(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' final hidden state (after the last norm) at the prompt's last token."""
+    with torch.no_grad():
+        return model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+
+
+def assert_close(embedding: list[float], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.tensor(embedding), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hf_model(llama_checkpoint):
+    return load_hf_model(llama_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def embedder(llama_checkpoint):
+    # A 16-token budget chunks the 37-token prompt over three steps.
+    with make_llm(llama_checkpoint, runner="pooling", max_num_batched_tokens=16) as llm:
+        yield llm
+
+
+def test_embeddings_equal_transformers_last_hidden_state(embedder, hf_model):
+    outputs = embedder.embed(PROMPTS, use_tqdm=False)
+    raw = embedder.embed(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+    for prompt, output, unnormalized in zip(PROMPTS, outputs, raw):
+        hidden = hf_last_hidden(hf_model, prompt)
+        assert_close(unnormalized.outputs.embedding, hidden)
+        assert_close(output.outputs.embedding, torch.nn.functional.normalize(hidden, dim=-1))
+        assert output.finished
+    assert all_blocks_free(embedder)
+
+
+def test_a_prefix_cache_hit_gives_the_same_embedding(embedder, hf_model):
+    prompt = list(range(3, 40))  # two full 16-token blocks cached by the first call
+    first = embedder.embed([prompt], PoolingParams(normalize=False), use_tqdm=False)[0]
+    second = embedder.embed([prompt], PoolingParams(normalize=False), use_tqdm=False)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert_close(second.outputs.embedding, hf_last_hidden(hf_model, prompt))
+    assert embedder.reset_prefix_cache()
+
+
+def test_truncate_prompt_tokens_embeds_the_prompts_end(embedder, hf_model):
+    prompt = list(range(10, 60))
+    cut = embedder.embed(prompt, truncate_prompt_tokens=7, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-7:]
+    expected = torch.nn.functional.normalize(hf_last_hidden(hf_model, prompt[-7:]), dim=-1)
+    assert_close(cut.outputs.embedding, expected)
+
+
+def test_per_prompt_params_and_tensor_parallel(llama_checkpoint, hf_model):
+    params = [PoolingParams(normalize=False), PoolingParams()]
+    with make_llm(llama_checkpoint, runner="pooling", tensor_parallel_size=2) as llm:
+        outputs = llm.embed(PROMPTS[:2], params, use_tqdm=False)
+        with pytest.raises(ValueError, match="got 1 pooling params for 2 prompts"):
+            llm.embed(PROMPTS[:2], params[:1])
+    hidden = [hf_last_hidden(hf_model, prompt) for prompt in PROMPTS[:2]]
+    assert_close(outputs[0].outputs.embedding, hidden[0])
+    assert_close(outputs[1].outputs.embedding, torch.nn.functional.normalize(hidden[1], dim=-1))
+
+
+def test_bad_embedding_requests_name_what_is_wrong(embedder):
+    with pytest.raises(ValueError, match="does not support matryoshka"):
+        embedder.embed([[1, 2, 3]], PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="PoolingParams.dimensions must be an int >= 1"):
+        PoolingParams(dimensions=0)
+    with pytest.raises(ValueError, match="PoolingParams.truncate_prompt_tokens must be"):
+        PoolingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="embeds at most max_model_len - 1 = 127"):
+        embedder.embed([[5] * 128])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        embedder.embed([[]])
+    with pytest.raises(ValueError, match="needs an engine started with runner='generate'"):
+        embedder.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    # None of them left anything in the engine.
+    assert not embedder.output_processor.has_unfinished_requests()
+    assert not embedder.engine_core.scheduler.has_unfinished_requests()
+    assert all_blocks_free(embedder)
+
+
+def test_a_generating_engine_refuses_to_embed(llama_checkpoint):
+    with make_llm(llama_checkpoint) as llm:
+        with pytest.raises(ValueError, match="--runner pooling"):
+            llm.embed([[1, 2, 3]])
+        assert not llm.output_processor.has_unfinished_requests()
+    with pytest.raises(ValueError, match="runner must be one of"):
+        make_llm(llama_checkpoint, runner="embed")
+
+
+@pytest.mark.parametrize(
+    "config, dimensions, error",
+    [
+        ({"is_matryoshka": True}, 16, None),
+        ({"matryoshka_dimensions": [16, 32]}, 32, None),
+        ({"matryoshka_dimensions": [16, 32]}, 8, r"supports matryoshka dimensions \[16, 32\]"),
+        ({"is_matryoshka": True}, 65, "hidden size 64"),
+    ],
+)
+def test_matryoshka_models_cut_then_normalize(tmp_path, config, dimensions, error):
+    path = make_checkpoint(tmp_path, "llama", **config)
+    prompt = [1, 5, 9, 22, 7]
+    hidden = hf_last_hidden(load_hf_model(path), prompt)
+    with make_llm(path, runner="pooling") as llm:
+        if error is not None:
+            with pytest.raises(ValueError, match=error):
+                llm.embed([prompt], PoolingParams(dimensions=dimensions))
+            return
+        output = llm.embed([prompt], PoolingParams(dimensions=dimensions), use_tqdm=False)[0]
+    expected = torch.nn.functional.normalize(hidden[:dimensions], dim=-1)
+    assert_close(output.outputs.embedding, expected)

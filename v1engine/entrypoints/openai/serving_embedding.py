@@ -1,0 +1,99 @@
+"""POST /v1/embeddings: one input or a batch (text or token ids) -> one embedding each, in order.
+
+Served only by an engine started with `--runner pooling` (vLLM's rule: one model, one runner);
+each input is one engine request (`AsyncLLM.encode`), added together. An embedding is the last
+input token's final hidden state, L2-normalized unless `normalize: false` (see
+v1engine/pooling_params.py); `encoding_format: "base64"` sends its float32 bytes instead of a
+JSON list, as OpenAI does (its Python client asks for base64 by default and decodes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from http import HTTPStatus
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.protocol import UsageInfo
+from v1engine.entrypoints.openai.protocol_embedding import (
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+)
+from v1engine.entrypoints.openai.serving_engine import (
+    EngineInput,
+    OpenAIServing,
+    client_request_id,
+)
+from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.pooling_params import PoolingParams
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    async def create_embedding(
+        self, request: EmbeddingRequest, raw_request: Request
+    ) -> JSONResponse:
+        """Raises APIError (400, 404, 503) before anything is computed."""
+        self.check_model_and_runner(request, "pooling", "/v1/completions and /v1/chat/completions")
+        self.check_priority(request.priority)
+        client_id = client_request_id(request, raw_request)
+        params = _pooling_params(request)
+        inputs = _split_inputs(request.input)
+        tokenized = await asyncio.to_thread(self._tokenize, inputs, request.add_special_tokens)
+        engine_inputs = [EngineInput(None, ids, params, request.priority) for ids in tokenized]
+        request_id, runs = await self.add_requests(
+            "embd", client_id, engine_inputs, "final", "input"
+        )
+        finals = await self.wait_for_final_outputs(runs, raw_request)
+        response = _response(request_id, self.model_name, finals, request.encoding_format)
+        return JSONResponse(response.model_dump())
+
+    def _tokenize(self, inputs: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+        return [
+            self.tokenizer.encode(x, add_special_tokens=add_special_tokens)
+            if isinstance(x, str)
+            else x
+            for x in inputs
+        ]
+
+
+def _pooling_params(request: EmbeddingRequest) -> PoolingParams:
+    try:
+        return PoolingParams(request.dimensions, request.normalize, request.truncate_prompt_tokens)
+    except ValueError as e:
+        raise APIError.bad_request(e) from e
+
+
+def _split_inputs(inputs: str | list) -> list[str | list[int]]:
+    """The request's inputs: one text, one token-id list, or a batch of either."""
+    if isinstance(inputs, str) or all(isinstance(t, int) for t in inputs):
+        return [inputs]  # an empty list: the engine says it is empty
+    return list(inputs)
+
+
+def _response(
+    request_id: str,
+    model_name: str,
+    finals: list[EmbeddingRequestOutput | RequestOutput],
+    encoding_format: str,
+) -> EmbeddingResponse:
+    data = []
+    for index, final in enumerate(finals):
+        if not isinstance(final, EmbeddingRequestOutput):  # the engine refused it, and logged why
+            reason = final.outputs[0].finish_reason
+            raise APIError(
+                f"input {index} ended ({reason}) without an embedding",
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                type="server_error",
+            )
+        embedding: list[float] | str = final.outputs.embedding
+        if encoding_format == "base64":
+            embedding = base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
+        data.append(EmbeddingData(index=index, embedding=embedding))
+    num_tokens = sum(len(final.prompt_token_ids) for final in finals)
+    usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    return EmbeddingResponse(id=request_id, model=model_name, data=data, usage=usage)
