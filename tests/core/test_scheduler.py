@@ -305,3 +305,29 @@ def test_wire_types_round_trip_through_msgpack() -> None:
     assert decoded == outputs and decoded.outputs[0].finished
     converted = Request.from_engine_core_request(request, max_model_len=16)
     assert converted.max_tokens == 3 and converted.eos_token_id == 2
+
+
+def test_a_pooled_prompt_finishes_its_request_without_decoding() -> None:
+    # A pooling engine's request: a one-token generation whose token the workers replace with
+    # the prompt's last hidden state. Its prompt is chunked (budget 8), and a step planned while
+    # its last chunk is in flight (async scheduling) must not schedule it again.
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(make_request("e", list(range(3, 15)), max_tokens=1))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"e": 8}
+    chunk = scheduler.update_from_output(first, ModelRunnerOutput(["e"], [[]]))
+    assert chunk.outputs == []
+    last = scheduler.schedule()
+    assert last.num_scheduled_tokens == {"e": 4}
+    assert scheduler.schedule().num_scheduled_tokens == {}  # planned ahead: nothing to run
+    hidden = [0.5, -1.0, 2.0]
+    (out,) = scheduler.update_from_output(
+        last, ModelRunnerOutput(["e"], [[]], pooler_output={"e": hidden})
+    ).outputs
+    assert (out.new_token_ids, out.pooling_output, out.finish_reason) == ([], hidden, "stop")
+    assert out.scheduled_ts > 0.0  # its one output is its first: it carries the metrics' times
+    assert not scheduler.has_unfinished_requests()
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineCoreOutput)
+    assert decoded == out

@@ -14,7 +14,8 @@ from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, as_parent_error, make_child_requests
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
-from v1engine.outputs import Logprob, LogprobsLists
+from v1engine.outputs import Logprob, LogprobsLists, RequestOutput
+from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreOutput, FinishReason
 from v1engine.sampling_params import SamplingParams
 
@@ -328,3 +329,32 @@ def test_a_childs_error_names_its_parent():
     error = ValueError("request '1_cmpl-7' cannot be encoded: integer out of range")
     parent_error = as_parent_error(error, "1_cmpl-7", "cmpl-7")
     assert str(parent_error) == "request 'cmpl-7' cannot be encoded: integer out of range"
+
+
+def test_an_embedding_request_gets_its_vector_once() -> None:
+    processor = OutputProcessor(None)
+    processor.add_pooling_request("e", [1, 2, 3], PoolingParams())
+    processor.add_pooling_request("raw", [4], PoolingParams(normalize=False, dimensions=2))
+    with pytest.raises(ValueError, match="already running"):
+        processor.add_pooling_request("e", [1], PoolingParams())
+    outputs, to_abort = processor.process_outputs(
+        [
+            EngineCoreOutput("e", [], FinishReason.STOP, pooling_output=[3.0, 4.0]),
+            EngineCoreOutput("raw", [], FinishReason.STOP, pooling_output=[3.0, 4.0, 5.0]),
+        ]
+    )
+    assert to_abort == [] and not processor.has_unfinished_requests()
+    assert [o.outputs.embedding for o in outputs] == [[0.6, 0.8], [3.0, 4.0]]
+    assert outputs[0].prompt_token_ids == [1, 2, 3] and outputs[0].finished
+
+
+def test_an_embedding_request_the_core_refused_ends_with_its_reason() -> None:
+    processor = OutputProcessor(None)
+    processor.add_pooling_request("e", [1, 2, 3], PoolingParams())
+    processor.add_pooling_request("gone", [5], PoolingParams())
+    assert processor.abort_requests(["gone"]) == ["gone"]
+    (output,), _ = processor.process_outputs(
+        [EngineCoreOutput("e", [], FinishReason.ABORT), EngineCoreOutput("gone", [])]
+    )
+    assert isinstance(output, RequestOutput) and output.finished
+    assert output.outputs[0].finish_reason == "abort"

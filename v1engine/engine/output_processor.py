@@ -15,6 +15,9 @@ a client has been shown is never cut later: while a request runs, the longest ta
 that is a proper prefix of a stop string is held back (not needed with
 `include_stop_str_in_output`: whatever precedes a stop string's end stays in the output). vLLM
 holds back `max(len(stop)) - 1` characters; holding back only a real partial match streams sooner.
+
+An embedding request (a pooling engine's) is a `PoolingState`: its one output becomes an
+`EmbeddingRequestOutput`.
 """
 
 from __future__ import annotations

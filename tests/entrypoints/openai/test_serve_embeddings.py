@@ -91,6 +91,22 @@ def test_token_id_inputs_and_vllm_fields(server, client, hf_model):
     np.testing.assert_allclose(one.data[0].embedding, expected, atol=2e-5)
 
 
+def test_the_chat_form_embeds_the_rendered_conversation(server, tokenizer, hf_model):
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Tell me about foxes."},
+    ]
+    response = _post(server, {"model": MODEL, "messages": messages})
+    assert response.status_code == 200, response.text
+    # vLLM's chat-form defaults: no assistant turn opened, no special tokens added.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] == len(token_ids)
+    expected = expected_embedding(hf_model, token_ids)
+    np.testing.assert_allclose(body["data"][0]["embedding"], expected, atol=2e-5)
+
+
 @pytest.mark.parametrize(
     "fields, param, words",
     [
@@ -103,6 +119,8 @@ def test_token_id_inputs_and_vllm_fields(server, client, hf_model):
         ({"input": [49152]}, "input", "outside the vocabulary"),
         ({"encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
         ({"priority": 3}, "priority", "--scheduling-policy priority"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "input", "got both"),
+        ({"input": None}, "input", "got neither"),
     ],
 )
 def test_bad_embedding_requests_get_a_400_naming_the_field(server, fields, param, words):

@@ -3,27 +3,44 @@ OpenAI's and vLLM's clients work unchanged."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from v1engine.entrypoints.openai.protocol import Int64, UsageInfo, _NotesIgnoredFields, _now
+from v1engine.entrypoints.openai.protocol import (
+    ChatMessage,
+    Int64,
+    UsageInfo,
+    _NotesIgnoredFields,
+    _now,
+)
+from v1engine.entrypoints.openai.protocol_structured import ChatTool
 
 
 class EmbeddingRequest(_NotesIgnoredFields):
+    """OpenAI's body (`input`), or vLLM's chat form (`messages`, rendered through the chat
+    template as /v1/chat/completions renders them, into one embedding)."""
+
     model: str | None = None
     # One text, one token-id list, or a batch of either (one embedding each, in order).
-    input: str | list[str] | list[Int64] | list[list[Int64]]
+    input: str | list[str] | list[Int64] | list[list[Int64]] | None = None
+    messages: list[ChatMessage] | None = None
     # "base64": each vector's float32 bytes, little-endian (OpenAI's client asks for it).
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     # vLLM's.
     truncate_prompt_tokens: Int64 | None = None
-    add_special_tokens: bool = True
+    # None: True for `input`, False for `messages` (the template writes its special tokens).
+    add_special_tokens: bool | None = None
     normalize: bool | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # The chat form's (vLLM's defaults: the conversation as it stands, no assistant turn).
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class EmbeddingData(BaseModel):

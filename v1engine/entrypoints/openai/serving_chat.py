@@ -30,6 +30,7 @@ from v1engine.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing, client_request_id
 from v1engine.entrypoints.openai.serving_outputs import (
@@ -187,7 +188,7 @@ def _tool_stream_choices(
 
 def render_messages(
     processor: Processor,
-    request: ChatCompletionRequest | TokenizeRequest,
+    request: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
     chat_template: str | None,
 ) -> tuple[str, list[int]]:
     """`(text, token ids)` of the request's messages through the chat template, with its

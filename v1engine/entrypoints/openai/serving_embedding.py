@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: one input or a batch (text or token ids) -> one embedding each, in order.
+"""POST /v1/embeddings: one input or a batch (text or token ids) -> one embedding each, in order;
+or a chat (vLLM's `messages` form, rendered through the chat template) -> one embedding.
 
 Served only by an engine started with `--runner pooling` (vLLM's rule: one model, one runner);
 each input is one engine request (`AsyncLLM.encode`), added together. An embedding is the last
@@ -24,6 +25,7 @@ from v1engine.entrypoints.openai.protocol_embedding import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
+from v1engine.entrypoints.openai.serving_chat import render_messages
 from v1engine.entrypoints.openai.serving_engine import (
     EngineInput,
     OpenAIServing,
@@ -42,8 +44,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_priority(request.priority)
         client_id = client_request_id(request, raw_request)
         params = _pooling_params(request)
-        inputs = _split_inputs(request.input)
-        tokenized = await asyncio.to_thread(self._tokenize, inputs, request.add_special_tokens)
+        tokenized = await asyncio.to_thread(self._tokenize, request)
         engine_inputs = [EngineInput(None, ids, params, request.priority) for ids in tokenized]
         request_id, runs = await self.add_requests(
             "embd", client_id, engine_inputs, "final", "input"
@@ -52,12 +53,22 @@ class OpenAIServingEmbedding(OpenAIServing):
         response = _response(request_id, self.model_name, finals, request.encoding_format)
         return JSONResponse(response.model_dump())
 
-    def _tokenize(self, inputs: list[str | list[int]], add_special_tokens: bool) -> list[list[int]]:
+    def _tokenize(self, request: EmbeddingRequest) -> list[list[int]]:
+        """Each input's token ids (the chat form's one)."""
+        if (request.input is None) == (request.messages is None):
+            raise APIError(
+                "send one of `input` (texts or token ids) and `messages` (a chat) to embed; got "
+                f"{'both' if request.input is not None else 'neither'}",
+                param="input",
+            )
+        if request.messages is not None:
+            return [render_messages(self.engine.processor, request, self.options.chat_template)[1]]
+        add_special_tokens = request.add_special_tokens is not False
         return [
             self.tokenizer.encode(x, add_special_tokens=add_special_tokens)
             if isinstance(x, str)
             else x
-            for x in inputs
+            for x in _split_inputs(request.input)
         ]
 
 

@@ -132,7 +132,7 @@ def log_startup_line(address: tuple, model: str, names: list[str], config: Any, 
     host = f"[{host}]" if ":" in host else host
     logger.info(
         "v1engine API server listening on http://%s:%d | model %s served as %s | "
-        "tensor_parallel_size=%d device=%s dtype=%s | %s",
+        "tensor_parallel_size=%d device=%s dtype=%s runner=%s | %s",
         host,
         port,
         model,
@@ -140,5 +140,6 @@ def log_startup_line(address: tuple, model: str, names: list[str], config: Any, 
         config.parallel_config.tensor_parallel_size,
         device_type,
         str(dtype).removeprefix("torch."),
+        config.model_config.runner_type,
         kv,
     )
