@@ -186,6 +186,18 @@ def _tool_stream_choices(
     return choices
 
 
+def require_one_form(request: Any, field: str, what: str, action: str) -> None:
+    """Raises APIError 400 naming `field` unless the request sends exactly one of `field`
+    (`what` it holds) and `messages` (vLLM's chat form of /tokenize and /v1/embeddings)."""
+    value = getattr(request, field)
+    if (value is None) == (request.messages is None):
+        raise APIError(
+            f"send one of `{field}` ({what}) and `messages` (a chat) to {action}; got "
+            f"{'both' if value is not None else 'neither'}",
+            param=field,
+        )
+
+
 def render_messages(
     processor: Processor,
     request: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,

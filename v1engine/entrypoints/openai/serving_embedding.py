@@ -25,7 +25,7 @@ from v1engine.entrypoints.openai.protocol_embedding import (
     EmbeddingRequest,
     EmbeddingResponse,
 )
-from v1engine.entrypoints.openai.serving_chat import render_messages
+from v1engine.entrypoints.openai.serving_chat import render_messages, require_one_form
 from v1engine.entrypoints.openai.serving_engine import (
     EngineInput,
     OpenAIServing,
@@ -55,12 +55,7 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     def _tokenize(self, request: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids (the chat form's one)."""
-        if (request.input is None) == (request.messages is None):
-            raise APIError(
-                "send one of `input` (texts or token ids) and `messages` (a chat) to embed; got "
-                f"{'both' if request.input is not None else 'neither'}",
-                param="input",
-            )
+        require_one_form(request, "input", "texts or token ids", "embed")
         if request.messages is not None:
             return [render_messages(self.engine.processor, request, self.options.chat_template)[1]]
         add_special_tokens = request.add_special_tokens is not False

@@ -18,7 +18,7 @@ from v1engine.entrypoints.openai.protocol_tokenize import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from v1engine.entrypoints.openai.serving_chat import render_messages
+from v1engine.entrypoints.openai.serving_chat import render_messages, require_one_form
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing
 
 
@@ -65,12 +65,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return token_ids, self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def _tokenize(self, request: TokenizeRequest) -> list[int]:
-        if (request.prompt is None) == (request.messages is None):
-            raise APIError(
-                "send one of `prompt` (text) and `messages` (a chat) to tokenize; got "
-                f"{'both' if request.prompt is not None else 'neither'}",
-                param="prompt",
-            )
+        require_one_form(request, "prompt", "text", "tokenize")
         if request.prompt is not None:
             add_special_tokens = request.add_special_tokens is not False
             return self.tokenizer.encode(request.prompt, add_special_tokens=add_special_tokens)
