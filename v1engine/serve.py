@@ -7,8 +7,8 @@ Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--devi
 `--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below and the limits on
 what one request may ask (`--max-n`, `--max-logprobs`, `--max-stop-sequences`,
 `--max-stop-sequence-chars`, `--max-request-body-bytes`), `--chat-template FILE`,
-`--structured-outputs-disable-any-whitespace` and `--enable-auto-tool-choice --tool-call-parser
-hermes`. Exits 0 after
+`--structured-outputs-disable-any-whitespace`, `--enable-auto-tool-choice --tool-call-parser
+hermes`, and HTTPS with `--ssl-keyfile KEY --ssl-certfile CERT`. Exits 0 after
 SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
 """
 
@@ -30,6 +30,7 @@ _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 def make_arg_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: every process multiprocessing spawns (the engine core, each
     # worker) re-imports this module first, and these pull in fastapi (~0.3 s each).
+    from v1engine.entrypoints.openai import tls
     from v1engine.entrypoints.openai.limits import RequestLimits
     from v1engine.entrypoints.openai.serving_options import ServingOptions
 
@@ -68,6 +69,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
         choices=_UVICORN_LOG_LEVELS,
         help="uvicorn's own log level (debug also logs each request)",
     )
+    tls.add_cli_args(server)
     RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
     ServingOptions.add_cli_args(parser.add_argument_group("serving"))
     EngineArgs.add_cli_args(parser.add_argument_group("engine"))

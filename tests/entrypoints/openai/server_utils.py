@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from tests.timeouts import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STARTUP_TIMEOUT_S = 180.0
-_LISTENING = re.compile(r"listening on http://([^ ]+):(\d+)")
+_LISTENING = re.compile(r"listening on (https?)://([^ ]+):(\d+)")
 
 
 def make_tiny_checkpoint(directory: str) -> str:
@@ -57,11 +58,13 @@ def serve_module(
     *extra_args: str,
     tp: int = 2,
     env: dict[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> Iterator[RemoteServer]:
     """The body of a module-scoped server fixture (`yield from` it): the server, started; after
-    the module, it must stop with exit status 0 and leave nothing behind."""
+    the module, it must stop with exit status 0 and leave nothing behind. `verify`: as httpx's,
+    for an HTTPS server (a context trusting its certificate)."""
     log_dir = str(tmp_path_factory.mktemp("server_logs"))
-    remote = RemoteServer(model, log_dir, *extra_args, tp=tp, env=env)
+    remote = RemoteServer(model, log_dir, *extra_args, tp=tp, env=env, verify=verify)
     try:
         remote.wait_ready()
         yield remote
@@ -82,7 +85,10 @@ class RemoteServer:
         *extra_args: str,
         tp: int = 2,
         env: dict[str, str] | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        self.verify = verify
+        self.scheme = "http"
         self.log_path = os.path.join(log_dir, f"server-{time.monotonic_ns()}.log")
         args = [sys.executable, "-m", "v1engine.serve", "--model", model, "--port", "0"]
         args += ["--device", "cpu", "--dtype", "float32", "--tensor-parallel-size", str(tp)]
@@ -101,7 +107,7 @@ class RemoteServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def log_text(self) -> str:
         with open(self.log_path) as f:
@@ -112,13 +118,13 @@ class RemoteServer:
         while self.port is None:
             match = _LISTENING.search(self.log_text())
             if match:
-                self.port = int(match.group(2))
+                self.scheme, self.port = match.group(1), int(match.group(3))
             elif self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"server did not start:\n{self.log_text()[-5000:]}")
             else:
                 time.sleep(0.2)
-        while httpx.get(self.url + "/health").status_code != 200:
+        while httpx.get(self.url + "/health", verify=self.verify).status_code != 200:
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"/health never answered 200:\n{self.log_text()[-5000:]}")

@@ -52,6 +52,7 @@ from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
+from v1engine.entrypoints.openai.tls import uvicorn_tls_kwargs
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -276,6 +277,7 @@ async def serve(
             access_log=args.uvicorn_log_level in ("debug", "trace"),
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,
             lifespan="off",
+            **uvicorn_tls_kwargs(args),
         ),
         engine,
     )
@@ -286,7 +288,8 @@ async def serve(
     try:
         kv = describe_kv_capacity(engine.client.info)
         names = state.completion.served_model_names
-        log_startup_line(sock.getsockname(), state.model_path, names, config, kv)
+        scheme = "https" if args.ssl_keyfile else "http"
+        log_startup_line(scheme, sock.getsockname(), state.model_path, names, config, kv)
         # uvicorn handles SIGINT/SIGTERM while serving, then restores these handlers and
         # re-raises the signal it caught: that must not kill the process before clean-up.
         signal.signal(signal.SIGINT, _note_signal)

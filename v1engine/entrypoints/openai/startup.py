@@ -40,12 +40,14 @@ def run_server(args: argparse.Namespace) -> int:
     """
     from v1engine.entrypoints.openai.limits import RequestLimits  # loaded by the flag parser
     from v1engine.entrypoints.openai.serving_options import ServingOptions
+    from v1engine.entrypoints.openai.tls import check_tls_args
 
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, stopping the engine.
     install_sigterm_handler()
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
     options = ServingOptions.from_cli_args(args)
+    check_tls_args(args)
     # A bad V1ENGINE_LOG_STATS_INTERVAL fails here, before the engine starts.
     stats_interval_s = None if args.disable_log_stats else log_stats_interval_s()
     if engine_args.model is None:
@@ -122,7 +124,9 @@ def describe_kv_capacity(info: EngineCoreInfo) -> str:
     )
 
 
-def log_startup_line(address: tuple, model: str, names: list[str], config: Any, kv: str) -> None:
+def log_startup_line(
+    url_scheme: str, address: tuple, model: str, names: list[str], config: Any, kv: str
+) -> None:
     """The one line that says where the server listens and what it serves."""
     from v1engine.model.hf_config import resolve_dtype
 
@@ -131,8 +135,9 @@ def log_startup_line(address: tuple, model: str, names: list[str], config: Any, 
     host, port = address[0], address[1]
     host = f"[{host}]" if ":" in host else host
     logger.info(
-        "v1engine API server listening on http://%s:%d | model %s served as %s | "
+        "v1engine API server listening on %s://%s:%d | model %s served as %s | "
         "tensor_parallel_size=%d device=%s dtype=%s runner=%s | %s",
+        url_scheme,
         host,
         port,
         model,
