@@ -213,6 +213,9 @@ class ChatMessage(_Request):
     # call a "tool" message answers.
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant's earlier thinking (vLLM's `reasoning`; DeepSeek's `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -311,12 +314,14 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: str | None = None  # with --reasoning-parser: the thinking (reasoning.py)
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):

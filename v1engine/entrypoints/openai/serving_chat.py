@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +33,11 @@ from v1engine.entrypoints.openai.protocol import (
 )
 from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
+from v1engine.entrypoints.openai.reasoning import (
+    ReasoningStream,
+    opens_thinking,
+    split_reasoning,
+)
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing, client_request_id
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
@@ -69,18 +75,19 @@ class OpenAIServingChat(OpenAIServing):
             )
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
+        opened = self._opens_thinking(prompt, constraint)
         inputs = [self.make_input(request, prompt, token_ids, constraint)]
         output_kind = "delta" if request.stream else "final"
         request_id, runs = await self.add_requests(
             "chatcmpl", client_id, inputs, output_kind, "messages"
         )
         if request.stream:
-            chunks = self._stream_chunks(request_id, runs[0][1], request, mode)
+            chunks = self._stream_chunks(request_id, runs[0][1], request, mode, opened)
             return StreamingResponse(
                 self.stream_events(runs, chunks), media_type="text/event-stream"
             )
         (final,) = await self.wait_for_final_outputs(runs, raw_request)
-        choices = [_choice(output, request, mode) for output in final.outputs]
+        choices = [_choice(output, request, mode, opened) for output in final.outputs]
         usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
         response = ChatCompletionResponse(
             id=request_id,
@@ -90,6 +97,15 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
         )
         return JSONResponse(response.model_dump())
+
+    def _opens_thinking(self, prompt: str, constraint: Any) -> bool | None:
+        """None where replies are not split into reasoning and content (no --reasoning-parser,
+        or a constraint, which governs the whole output); else whether the output starts
+        inside the thinking (reasoning.py)."""
+        parser = self.options.reasoning_parser
+        if parser is None or constraint is not None:
+            return None
+        return opens_thinking(parser, prompt)
 
     def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         if not request.messages:
@@ -102,17 +118,20 @@ class OpenAIServingChat(OpenAIServing):
         outputs: AsyncIterator[RequestOutput],
         request: ChatCompletionRequest,
         mode: ToolMode | None,
+        opened: bool | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
         # chunk of a choice carries its finish_reason. Tool calls are sent when their choice
         # ends (their text is read back whole). As vLLM, the role deltas go with the first
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
+        # With a reasoning parser, each delta's thinking goes in `reasoning` as it comes.
         tally = StreamTally()
         texts: dict[int, str] = {}
-        opened = False
+        streams: dict[int, ReasoningStream] = {}
+        roles_sent = False
         async for completions in stream_steps(outputs, tally):
-            if not opened:
-                opened = True
+            if not roles_sent:
+                roles_sent = True
                 assert tally.last is not None
                 usage = make_usage(tally.last, 0) if request.continuous_usage else None
                 for index in range(request.n):
@@ -122,10 +141,14 @@ class OpenAIServingChat(OpenAIServing):
                     yield ChatCompletionChunk(
                         id=request_id, model=self.model_name, choices=[role], usage=usage
                     )
+            reasoning: dict[int, str] = {}
+            if opened is not None:
+                completions, reasoning = _split_deltas(completions, streams, opened)
             if mode is None:
-                choices = [_stream_choice(completion, request) for completion in completions]
+                choices = [_stream_choice(c, request, reasoning.get(c.index)) for c in completions]
             else:
-                choices = _tool_stream_choices(completions, mode, texts)
+                choices = [_thinking_choice(i, text) for i, text in reasoning.items() if text]
+                choices += _tool_stream_choices(completions, mode, texts)
             for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                 usage = choice_usage(tally, choice.index, request.continuous_usage)
                 yield ChatCompletionChunk(
@@ -137,15 +160,22 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _choice(
-    output: CompletionOutput, request: ChatCompletionRequest, mode: ToolMode | None
+    output: CompletionOutput,
+    request: ChatCompletionRequest,
+    mode: ToolMode | None,
+    opened: bool | None,
 ) -> ChatChoice:
-    parsed = None if mode is None else parse_tool_calls(mode, output.text)
+    reasoning, text = (
+        (None, output.text) if opened is None else split_reasoning(output.text, opened)
+    )
+    parsed = None if mode is None else parse_tool_calls(mode, text)
     if parsed is None:
-        message = ChatResponseMessage(content=output.text)
-        finish_reason = output.finish_reason
+        content, calls, finish_reason = text, [], output.finish_reason
     else:
-        message = ChatResponseMessage(content=parsed[0], tool_calls=parsed[1])
-        finish_reason = "tool_calls"
+        (content, calls), finish_reason = parsed, "tool_calls"
+    if reasoning is not None and not content:
+        content = None  # as vLLM: a reply that only thought has no content
+    message = ChatResponseMessage(content=content, tool_calls=calls, reasoning=reasoning)
     return ChatChoice(
         index=output.index,
         message=message,
@@ -153,6 +183,24 @@ def _choice(
         finish_reason=finish_reason,
         stop_reason=output.stop_reason,
     )
+
+
+def _split_deltas(
+    completions: list[CompletionOutput], streams: dict[int, ReasoningStream], opened: bool
+) -> tuple[list[CompletionOutput], dict[int, str]]:
+    """The step's completions with only their content delta as text, and each one's
+    reasoning delta by index (`streams` keeps each choice's state across steps)."""
+    split, reasoning = [], {}
+    for completion in completions:
+        stream = streams.setdefault(completion.index, ReasoningStream(opened))
+        finished = completion.finish_reason is not None
+        reasoning[completion.index], content = stream.feed(completion.text, finished)
+        split.append(dataclasses.replace(completion, text=content))
+    return split, reasoning
+
+
+def _thinking_choice(index: int, reasoning: str) -> ChatStreamChoice:
+    return ChatStreamChoice(index=index, delta=ChatDelta(reasoning=reasoning))
 
 
 def _tool_stream_choices(
@@ -236,17 +284,20 @@ def _as_template_message(message: ChatMessage) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         content = "".join(texts)
-    return {
-        "role": message.role,
-        "content": content or "",
-        **template_message_tool_fields(message),
-    }
+    fields = {"role": message.role, "content": content or ""}
+    thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if thinking is not None:  # under both names: templates read `reasoning_content` (Qwen3's)
+        fields.update(reasoning=thinking, reasoning_content=thinking)
+    return {**fields, **template_message_tool_fields(message)}
 
 
-def _stream_choice(output: CompletionOutput, request: ChatCompletionRequest) -> ChatStreamChoice:
+def _stream_choice(
+    output: CompletionOutput, request: ChatCompletionRequest, reasoning: str | None = None
+) -> ChatStreamChoice:
+    content = None if reasoning and not output.text else output.text
     return ChatStreamChoice(
         index=output.index,
-        delta=ChatDelta(content=output.text),
+        delta=ChatDelta(content=content, reasoning=reasoning or None),
         logprobs=_chat_logprobs(output, request),
         finish_reason=output.finish_reason,
         stop_reason=output.stop_reason,

@@ -1,5 +1,6 @@
 """The server's options for how it serves requests: the chat template, tool calls, constraints'
-whitespace, logprob token names and request logging (flags of `python -m v1engine.serve`)."""
+whitespace, logprob token names, request logging and reasoning parsing (flags of
+`python -m v1engine.serve`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from v1engine.entrypoints.openai.reasoning import REASONING_PARSERS
 from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from v1engine.logger import init_logger
 
@@ -31,6 +33,8 @@ class ServingOptions:
     # max_log_len characters when set) and sampling params.
     log_requests: bool = False
     max_log_len: int | None = None
+    # Chat replies' thinking goes to `reasoning` (reasoning.py; None: it stays in the content).
+    reasoning_parser: str | None = None
 
     def log_request(
         self, engine_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
@@ -71,6 +75,12 @@ class ServingOptions:
             choices=TOOL_CALL_PARSERS,
             default=None,
             help="how tool calls are found in a model's text for tool_choice auto",
+        )
+        group.add_argument(
+            "--reasoning-parser",
+            choices=REASONING_PARSERS,
+            default=None,
+            help="put chat replies' <think> text in the message's `reasoning` field",
         )
         group.add_argument(
             "--return-tokens-as-token-ids",
@@ -117,4 +127,5 @@ class ServingOptions:
             args.return_tokens_as_token_ids,
             args.enable_log_requests,
             args.max_log_len,
+            args.reasoning_parser,
         )

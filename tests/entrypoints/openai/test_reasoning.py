@@ -1,0 +1,156 @@
+"""Reasoning parsers: the split of a reply into `reasoning` and `content` (whole, and streamed
+cut at every point, tags included), and the chat endpoint's use of it in-process over a fake
+engine that replays scripted tokens of SmolLM2's tokenizer (whose vocabulary spells `<think>` in
+several tokens, so the stream must hold back a tag's beginning)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.test_api_server import FakeClient
+from v1engine.config import EngineConfig
+from v1engine.engine.async_llm import AsyncLLM
+from v1engine.engine.metrics import ServerMetrics
+from v1engine.entrypoints.openai.api_server import build_app, build_state
+from v1engine.entrypoints.openai.reasoning import (
+    ReasoningStream,
+    opens_thinking,
+    split_reasoning,
+)
+from v1engine.entrypoints.openai.serving_options import ServingOptions
+
+# (text, whether the output starts inside the thinking, reasoning, content)
+CASES = [
+    ("<think>plan</think>answer", False, "plan", "answer"),
+    ("no tags at all", False, None, "no tags at all"),
+    ("thinking only", True, "thinking only", ""),
+    ("plan</think>answer", True, "plan", "answer"),
+    ("<think>plan</think>answer", True, "plan", "answer"),
+    ("\n <think>x</think>y", False, "x", "y"),
+    ("<think>cut off by max_tokens", False, "cut off by max_tokens", ""),
+    ("a</think>b</think>c", True, "a", "b</think>c"),
+    ("<thi", False, None, "<thi"),
+    ("x <think>late</think>", False, None, "x <think>late</think>"),
+    ("</thin", True, "</thin", ""),
+    ("<think></think>", False, "", ""),
+]
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", CASES)
+def test_a_whole_reply_splits_at_the_tags(text, opened, reasoning, content):
+    assert split_reasoning(text, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize("text, opened, reasoning, content", CASES)
+def test_a_stream_cut_anywhere_splits_the_same(text, opened, reasoning, content):
+    for cuts in itertools.combinations(range(len(text) + 1), 2):
+        pieces = [text[: cuts[0]], text[cuts[0] : cuts[1]], text[cuts[1] :]]
+        stream = ReasoningStream(opened)
+        deltas = [stream.feed(p, finished=i == 2) for i, p in enumerate(pieces)]
+        assert "".join(r for r, _ in deltas) == (reasoning or ""), (pieces, deltas)
+        assert "".join(c for _, c in deltas) == content, (pieces, deltas)
+
+
+def test_where_each_parser_starts_the_thinking():
+    assert opens_thinking("deepseek_r1", "<|user|>hi<|assistant|>")
+    assert opens_thinking("qwen3", "<|im_start|>assistant\n<think>\n")
+    assert not opens_thinking("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens_thinking("qwen3", None)
+
+
+def _chat(tokenizer, parser: str, pieces: list[str], stream: bool, **extra):
+    """The chat endpoint's response to one request, the engine replying `pieces` (each token
+    in an output of its own), then EOS."""
+
+    async def scenario():
+        client = FakeClient()
+        engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics("m", 2048))
+        engine.start()
+        options = ServingOptions(reasoning_parser=parser)
+        app = build_app(build_state(engine, tokenizer, ["m"], "/model", options=options))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            response = asyncio.create_task(http.post("/v1/chat/completions", json=body | extra))
+            (request,) = await client.wait_added(1)
+            token_ids = [t for piece in pieces for t in tokenizer.encode(piece)]
+            for token_id in token_ids:
+                client.push(request.request_id, [token_id])
+            client.push(request.request_id, [tokenizer.eos_token_id], "stop")
+            response = await response
+        await engine.stop()
+        return response
+
+    return asyncio.run(scenario())
+
+
+def _stream_deltas(response) -> list[dict]:
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event)["choices"][0]["delta"] for event in events[:-1]]
+
+
+REPLY = ["<think>", "The user greets me.", "</think>", "Hello! How can I help?"]
+
+
+def test_the_chat_reply_carries_its_thinking_in_reasoning(tokenizer):
+    message = _chat(tokenizer, "qwen3", REPLY, stream=False).json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (
+        "The user greets me.",
+        "Hello! How can I help?",
+    )
+    # deepseek_r1: the thinking is open from the start; a reply cut before </think> is all
+    # reasoning, with no content.
+    cut = _chat(tokenizer, "deepseek_r1", REPLY[1:2], stream=False).json()
+    message = cut["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("The user greets me.", None)
+    # qwen3 without a <think> of the output or the prompt: all content.
+    plain = _chat(tokenizer, "qwen3", REPLY[3:], stream=False).json()["choices"][0]["message"]
+    assert (plain["reasoning"], plain["content"]) == (None, "Hello! How can I help?")
+
+
+def test_the_chat_stream_sends_thinking_then_content_with_no_tag(tokenizer):
+    deltas = _stream_deltas(_chat(tokenizer, "qwen3", REPLY, stream=True))
+    reasoning = "".join(d.get("reasoning") or "" for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == ("The user greets me.", "Hello! How can I help?")
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any(d.get("reasoning") for d in deltas[first_content:])
+
+
+def test_a_constrained_reply_is_all_content(tokenizer):
+    # The grammar governs the whole output, so nothing of it is thinking.
+    response = _chat(
+        tokenizer,
+        "deepseek_r1",
+        ['{"a": 1}'],
+        stream=False,
+        response_format={"type": "json_object"},
+    )
+    message = response.json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, '{"a": 1}')
+
+
+def test_an_earlier_turns_thinking_reaches_the_template_under_both_names(tokenizer):
+    template = "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.reasoning }}]{% endfor %}"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning": "be kind"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "be brief"},
+    ]
+
+    async def scenario():
+        engine = AsyncLLM(FakeClient(), tokenizer, EngineConfig(), ServerMetrics("m", 2048))
+        options = ServingOptions(chat_template=template)
+        app = build_app(build_state(engine, tokenizer, ["m"], "/model", options=options))
+        transport = httpx.ASGITransport(app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/tokenize", json={"messages": messages})
+
+    tokens = asyncio.run(scenario()).json()["tokens"]
+    assert tokenizer.decode(tokens) == "[|][be kind|be kind][be brief|be brief]"

@@ -1,0 +1,53 @@
+"""`--reasoning-parser deepseek_r1` on a real `python -m v1engine.serve`, through the real `openai`
+client: DeepSeek-R1's thinking is open from the reply's first token, and the tiny random model
+never writes `</think>`, so its whole greedy reply is `reasoning` (the same text /v1/completions
+generates from the same rendered prompt), streamed or not, with no content; a constrained reply
+(JSON) is all content. The split itself is tested token by token in test_reasoning.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.entrypoints.openai.server_utils import serve_module
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "What is two plus two?"}]
+GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    args = ("--served-model-name", MODEL, "--reasoning-parser", "deepseek_r1")
+    yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1)
+
+
+def _generated_text(client, tokenizer) -> str:
+    """What the model writes after the chat prompt, read from /v1/completions (no parser)."""
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    token_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return client.completions.create(model=MODEL, prompt=token_ids, **GREEDY).choices[0].text
+
+
+def test_the_reply_is_all_reasoning_until_think_ends(client, tokenizer):
+    expected = _generated_text(client, tokenizer)
+    assert expected and "</think>" not in expected
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    message = reply.choices[0].message
+    assert (message.reasoning, message.content) == (expected, None)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **GREEDY)
+    deltas = [chunk.choices[0].delta for chunk in stream if chunk.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == expected
+    assert not any(d.content for d in deltas)
+
+
+def test_a_json_constrained_reply_is_all_content(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        **GREEDY,
+    )
+    message = reply.choices[0].message
+    # Any JSON value (perhaps cut by max_tokens): here an object or an array.
+    assert message.reasoning is None and message.content.lstrip()[0] in "[{"
