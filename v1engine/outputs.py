@@ -159,3 +159,18 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One text pair's score (vLLM's `LLM.score` result); `finished` is always True."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

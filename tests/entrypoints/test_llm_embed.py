@@ -1,17 +1,21 @@
-"""`LLM.embed` on a pooling engine (`runner="pooling"`), against transformers: each embedding is
-the prompt's last token's final hidden state (L2-normalized unless asked not to), whatever the
-batch, the chunking of a long prompt, the prefix cache or the tensor-parallel size; PoolingParams
-cut matryoshka models and refuse the others; a pooling engine refuses to generate and a
-generating one to embed, with errors naming the runner."""
+"""`LLM.embed` and `LLM.score` on a pooling engine (`runner="pooling"`), against transformers:
+each embedding is the prompt's last token's final hidden state (L2-normalized unless asked not
+to), whatever the batch, the chunking of a long prompt, the prefix cache or the tensor-parallel
+size, and a score the cosine similarity of two texts' embeddings; PoolingParams cut matryoshka
+models and refuse the others; a pooling engine refuses to generate and a generating one to embed,
+with errors naming the runner."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.entrypoints.llm_utils import PROMPTS, all_blocks_free, make_llm
+from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
 from tests.model.checkpoints import load_hf_model, make_checkpoint
 from v1engine import PoolingParams, SamplingParams
+from v1engine.engine.scoring import cosine_similarity, distinct_texts, score_pairs
 
 
 def hf_last_hidden(model, prompt: list[int]) -> torch.Tensor:
@@ -125,3 +129,37 @@ def test_matryoshka_models_cut_then_normalize(tmp_path, config, dimensions, erro
         output = llm.embed([prompt], PoolingParams(dimensions=dimensions), use_tqdm=False)[0]
     expected = torch.nn.functional.normalize(hidden[:dimensions], dim=-1)
     assert_close(output.outputs.embedding, expected)
+
+
+def test_score_pairs_texts_as_vllm_does():
+    assert score_pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert score_pairs(["q"], "a") == [("q", "a")]
+    assert score_pairs(["x", "y"], ["a", "b"]) == [("x", "a"), ("y", "b")]
+    assert distinct_texts([("q", "a"), ("q", "b"), ("a", "q")]) == ["q", "a", "b"]
+    with pytest.raises(ValueError, match="cannot pair 2 texts with 3"):
+        score_pairs(["x", "y"], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="nothing to score"):
+        score_pairs([], "a")
+    assert cosine_similarity([1.0, 0.0], [0.0, 2.0]) == 0.0
+    assert cosine_similarity([0.0, 0.0], [1.0, 1.0]) == 0.0  # a zero vector scores 0
+
+
+def test_llm_score_is_the_cosine_similarity_of_embeddings(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path))  # a tiny llama with SmolLM2's tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    query, documents = "A fox", ["The quick brown fox.", "Stock markets fell.", "A fox"]
+    with make_llm(path, runner="pooling", skip_tokenizer_init=False) as llm:
+        one_to_n = llm.score(query, documents, use_tqdm=False)
+        pairwise = llm.score(documents[:2], documents[1:], use_tqdm=False)
+    model = load_hf_model(path)
+    hidden = {text: hf_last_hidden(model, tokenizer.encode(text)) for text in [query, *documents]}
+
+    def expected(a: str, b: str) -> float:
+        return torch.cosine_similarity(hidden[a], hidden[b], dim=0).item()
+
+    for output, document in zip(one_to_n, documents):
+        assert abs(output.outputs.score - expected(query, document)) < 1e-5
+        assert output.prompt_token_ids == tokenizer.encode(query) + tokenizer.encode(document)
+    assert abs(one_to_n[2].outputs.score - 1.0) < 1e-5  # the query against itself
+    for output, (a, b) in zip(pairwise, zip(documents[:2], documents[1:])):
+        assert abs(output.outputs.score - expected(a, b)) < 1e-5

@@ -22,9 +22,10 @@ from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.generation_defaults import describe
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
+from v1engine.engine.scoring import distinct_texts, score_outputs, score_pairs
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
-from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
@@ -223,6 +224,28 @@ class LLM:
             self._abort(request_ids)
             raise
         return [_embedding(outputs[request_id]) for request_id in request_ids]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Scores text pairs (one against one, one against N, or N against N) as vLLM does
+        with an embedding model: `outputs.score` is the cosine similarity of the two texts'
+        embeddings; each distinct text is embedded once. Needs `runner="pooling"`.
+
+        Raises:
+            ValueError: texts that do not pair, or as `embed`.
+        """
+        pairs = score_pairs(data_1, data_2)
+        texts = distinct_texts(pairs)
+        embedded = self.embed(
+            texts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+        )
+        return score_outputs(pairs, dict(zip(texts, embedded)))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's recommended

@@ -1,8 +1,10 @@
-"""`POST /v1/embeddings` on a real `python -m v1engine.serve --runner pooling` (tiny random llama
-with SmolLM2's tokenizer, TP=2, float32), through the real `openai` client: each embedding is
-transformers' final hidden state at the input's last token, L2-normalized; base64 and float
-encodings carry the same values; batches keep their order and sum their usage; bad input gets a
-400 naming the field; a pooling server refuses to generate, and a generating one to embed.
+"""`POST /v1/embeddings`, `/score` and `/rerank` on a real `python -m v1engine.serve --runner
+pooling` (tiny random llama with SmolLM2's tokenizer, TP=2, float32), through the real `openai`
+client and plain HTTP: each embedding is transformers' final hidden state at the input's last
+token, L2-normalized; base64 and float encodings carry the same values; batches keep their order
+and sum their usage; scores are the cosine similarities of those embeddings, reranked best first;
+bad input gets a 400 naming the field; a pooling server refuses to generate, and a generating one
+to embed or score.
 """
 
 from __future__ import annotations
@@ -130,10 +132,68 @@ def test_bad_embedding_requests_get_a_400_naming_the_field(server, fields, param
     assert error["param"] == param and words in error["message"], error
 
 
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_score_is_the_cosine_similarity_of_the_embeddings(server, tokenizer, hf_model, path):
+    query, documents = TEXTS[0], TEXTS[1:]
+    response = httpx.post(
+        server.url + path,
+        json={"model": MODEL, "text_1": query, "text_2": documents},
+        timeout=scaled(60),
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "list" and body["id"].startswith("score-")
+    q = expected_embedding(hf_model, tokenizer.encode(query))
+    for index, (item, document) in enumerate(zip(body["data"], documents)):
+        d = expected_embedding(hf_model, tokenizer.encode(document))
+        assert item["index"] == index and abs(item["score"] - _cosine(q, d)) < 1e-5
+    num_tokens = sum(len(tokenizer.encode(query) + tokenizer.encode(d)) for d in documents)
+    assert body["usage"]["prompt_tokens"] == num_tokens
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank", "/v2/rerank"])
+def test_rerank_returns_the_documents_best_first(server, tokenizer, hf_model, path):
+    query, documents = "A fox", [TEXTS[0], TEXTS[1], TEXTS[2], "A fox"]
+    body = {"model": MODEL, "query": query, "documents": documents, "top_n": 3}
+    response = httpx.post(server.url + path, json=body, timeout=scaled(60))
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    q = expected_embedding(hf_model, tokenizer.encode(query))
+    scores = [_cosine(q, expected_embedding(hf_model, tokenizer.encode(d))) for d in documents]
+    best_first = sorted(range(len(documents)), key=lambda i: scores[i], reverse=True)[:3]
+    assert [r["index"] for r in results] == best_first
+    assert (
+        results[0]["document"]["text"] == "A fox" and abs(results[0]["relevance_score"] - 1) < 1e-5
+    )
+    for result in results:
+        assert abs(result["relevance_score"] - scores[result["index"]]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "cannot pair 2"),
+        ("/score", {"text_1": [], "text_2": "c"}, "text_1", "nothing to score"),
+        ("/score", {"text_1": "a", "text_2": [""]}, "text", "the prompt is empty"),
+        ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
+        ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n must be"),
+    ],
+)
+def test_bad_score_requests_get_a_400_naming_the_field(server, path, body, param, words):
+    response = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=scaled(60))
+    error = response.json()["error"]
+    assert response.status_code == 400, error
+    assert error["param"] == param and words in error["message"], error
+
+
 def test_a_pooling_server_refuses_to_generate(server, client):
     with pytest.raises(openai.BadRequestError, match="--runner generate"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="serves /v1/embeddings only"):
+    with pytest.raises(openai.BadRequestError, match="for /v1/embeddings, /score and /rerank"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert client.embeddings.create(model=MODEL, input="still serving").data
 
@@ -143,4 +203,7 @@ def test_a_generating_server_refuses_to_embed(tiny_model, tmp_path_factory):
         client = openai_client(remote)
         with pytest.raises(openai.BadRequestError, match="restart it with --runner pooling"):
             client.embeddings.create(model=MODEL, input="hi")
+        body = {"model": MODEL, "query": "a", "documents": ["b"]}
+        refused = httpx.post(remote.url + "/rerank", json=body, timeout=scaled(60))
+        assert refused.status_code == 400 and "--runner pooling" in refused.text
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices

@@ -45,11 +45,13 @@ from v1engine.entrypoints.openai.protocol import (
     ModelList,
 )
 from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from v1engine.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
 from v1engine.entrypoints.openai.tls import uvicorn_tls_kwargs
@@ -70,6 +72,7 @@ class ServerState:
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding
+    score: OpenAIServingScore
     tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     model_path: str
@@ -147,6 +150,21 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 @router.post("/v1/embeddings")
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     return await _state(raw_request).embedding.create_embedding(request, raw_request)
+
+
+# vLLM serves both with and without /v1 (and /v2/rerank, Cohere's path); only /v1 is guarded by
+# the API key.
+@router.post("/score")
+@router.post("/v1/score")
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).score.create_score(request, raw_request)
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).score.create_rerank(request, raw_request)
 
 
 class APIKeyMiddleware(HTTPMiddleware):
@@ -254,6 +272,7 @@ def build_state(
         completion=OpenAIServingCompletion(*serving_args),
         chat=OpenAIServingChat(*serving_args),
         embedding=OpenAIServingEmbedding(*serving_args),
+        score=OpenAIServingScore(*serving_args),
         tokenization=OpenAIServingTokenization(*serving_args),
         metrics=engine.metrics,
         model_path=model_path,

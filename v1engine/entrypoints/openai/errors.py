@@ -176,7 +176,7 @@ class UnexpectedErrorMiddleware(HTTPMiddleware):
 
     Starlette's own last resort would log it, answer, then re-raise it for uvicorn to log again;
     this sits inside it, so the exception ends here. A streaming response that already began is
-    ended (its generator reports its own errors, see serving_engine.stream_events).
+    ended (its generator reports its own errors, see serving_outputs.stream_events).
     """
 
     async def handle(self, scope: dict, receive: Any, send: Any) -> None:

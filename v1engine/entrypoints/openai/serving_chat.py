@@ -43,6 +43,7 @@ from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
     make_usage,
+    stream_events,
     stream_steps,
 )
 from v1engine.entrypoints.openai.tool_calls import (
@@ -84,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             chunks = self._stream_chunks(request_id, runs[0][1], request, mode, opened)
             return StreamingResponse(
-                self.stream_events(runs, chunks), media_type="text/event-stream"
+                stream_events([r for r, _ in runs], chunks, self.abort_all),
+                media_type="text/event-stream",
             )
         (final,) = await self.wait_for_final_outputs(runs, raw_request)
         choices = [_choice(output, request, mode, opened) for output in final.outputs]

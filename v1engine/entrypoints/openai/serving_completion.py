@@ -40,6 +40,7 @@ from v1engine.entrypoints.openai.serving_outputs import (
     choice_usage,
     make_usage,
     merge_async_iterators,
+    stream_events,
     stream_steps,
     sum_usage,
 )
@@ -71,7 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
         output_kind = "delta" if request.stream else "final"
         request_id, runs = await self.add_requests("cmpl", client_id, inputs, output_kind, "prompt")
         if request.stream:
-            events = self.stream_events(runs, self._stream_chunks(request_id, runs, request))
+            chunks = self._stream_chunks(request_id, runs, request)
+            events = stream_events([r for r, _ in runs], chunks, self.abort_all)
             return StreamingResponse(events, media_type="text/event-stream")
         finals = await self.wait_for_final_outputs(runs, raw_request)
         return JSONResponse(self._response(request_id, finals, request).model_dump())

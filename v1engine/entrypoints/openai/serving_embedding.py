@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from http import HTTPStatus
+from typing import Any
 
 import numpy as np
 from fastapi import Request
@@ -40,10 +41,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         self, request: EmbeddingRequest, raw_request: Request
     ) -> JSONResponse:
         """Raises APIError (400, 404, 503) before anything is computed."""
-        self.check_model_and_runner(request, "pooling", "/v1/completions and /v1/chat/completions")
+        self.check_model_and_runner(request, "pooling")
         self.check_priority(request.priority)
         client_id = client_request_id(request, raw_request)
-        params = _pooling_params(request)
+        params = pooling_params(request)
         tokenized = await asyncio.to_thread(self._tokenize, request)
         engine_inputs = [EngineInput(None, ids, params, request.priority) for ids in tokenized]
         request_id, runs = await self.add_requests(
@@ -67,11 +68,31 @@ class OpenAIServingEmbedding(OpenAIServing):
         ]
 
 
-def _pooling_params(request: EmbeddingRequest) -> PoolingParams:
+def pooling_params(request: Any) -> PoolingParams:
+    """The request's PoolingParams (its `dimensions`, `normalize`, `truncate_prompt_tokens`,
+    those it has). Raises APIError 400 naming the field at fault."""
     try:
-        return PoolingParams(request.dimensions, request.normalize, request.truncate_prompt_tokens)
+        return PoolingParams(
+            getattr(request, "dimensions", None),
+            getattr(request, "normalize", None),
+            request.truncate_prompt_tokens,
+        )
     except ValueError as e:
         raise APIError.bad_request(e) from e
+
+
+def embedding_of(
+    final: EmbeddingRequestOutput | RequestOutput, index: int
+) -> EmbeddingRequestOutput:
+    """Input `index`'s embedding. Raises APIError 500 where the engine ended it without one
+    (it refused it, and logged why)."""
+    if isinstance(final, EmbeddingRequestOutput):
+        return final
+    raise APIError(
+        f"input {index} ended ({final.outputs[0].finish_reason}) without an embedding",
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        type="server_error",
+    )
 
 
 def _split_inputs(inputs: str | list) -> list[str | list[int]]:
@@ -89,14 +110,7 @@ def _response(
 ) -> EmbeddingResponse:
     data = []
     for index, final in enumerate(finals):
-        if not isinstance(final, EmbeddingRequestOutput):  # the engine refused it, and logged why
-            reason = final.outputs[0].finish_reason
-            raise APIError(
-                f"input {index} ended ({reason}) without an embedding",
-                HTTPStatus.INTERNAL_SERVER_ERROR,
-                type="server_error",
-            )
-        embedding: list[float] | str = final.outputs.embedding
+        embedding: list[float] | str = embedding_of(final, index).outputs.embedding
         if encoding_format == "base64":
             embedding = base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
         data.append(EmbeddingData(index=index, embedding=embedding))

@@ -22,14 +22,13 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
-from pydantic import BaseModel
 
 from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError, final_output
 from v1engine.engine.core_process import EngineDeadError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.engine.processor import check_priority, truncate_prompt
 from v1engine.entrypoints.openai.beam_search import beam_search_params
-from v1engine.entrypoints.openai.errors import APIError, internal_error
+from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import (
@@ -45,7 +44,11 @@ from v1engine.structured_outputs.params import StructuredOutputsParams
 
 logger = init_logger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
+# What a server serves, by how its model runs (--runner).
+_APIS_BY_RUNNER = {
+    "generate": "/v1/completions and /v1/chat/completions",
+    "pooling": "/v1/embeddings, /score and /rerank",
+}
 
 
 @dataclass
@@ -107,10 +110,9 @@ class OpenAIServing:
                 param="model",
             )
 
-    def check_model_and_runner(self, request: Any, runner_type: str, other_api: str) -> None:
+    def check_model_and_runner(self, request: Any, runner_type: str) -> None:
         """Raises APIError: 404 for an unknown model, 400 unless the model runs as `runner_type`
-        (one way, as in vLLM; `other_api` is what it serves then). Logs the request's fields
-        the server ignores, in one line."""
+        (one way, as in vLLM). Logs the request's fields the server ignores, in one line."""
         if request.ignored_fields:
             names = ", ".join(repr(name) for name in request.ignored_fields)
             logger.warning(
@@ -119,9 +121,10 @@ class OpenAIServing:
         self.check_model(request.model)
         runner = self.engine.config.model_config.runner_type
         if runner != runner_type:
+            serves = _APIS_BY_RUNNER[runner]
             raise APIError(
-                f"this server runs its model with --runner {runner}, which serves {other_api} "
-                f"only; restart it with --runner {runner_type} for this API"
+                f"this server runs its model with --runner {runner}, for {serves}; restart it "
+                f"with --runner {runner_type} for this API"
             )
 
     def check_priority(self, priority: Any) -> None:
@@ -135,7 +138,7 @@ class OpenAIServing:
         """Raises APIError (404, 400) for an unknown model, a request over the server's limits
         or a field this server does not support, or a pooling engine (it cannot generate);
         cheap checks, before any tokenizing. Logs the fields the server ignores."""
-        self.check_model_and_runner(request, "generate", "/v1/embeddings")
+        self.check_model_and_runner(request, "generate")
         if self.options.return_tokens_as_token_ids:  # the server's flag, for every request
             request.return_tokens_as_token_ids = True
         if request.best_of not in (None, 1):
@@ -335,27 +338,6 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             self.abort_all(ids)
-
-    async def stream_events(
-        self, runs: list[EngineRun], chunks: AsyncIterator[BaseModel]
-    ) -> AsyncIterator[str]:
-        """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
-
-        The client disconnecting cancels this generator (Starlette does), which aborts the
-        request's engine requests.
-        """
-        try:
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
-        except EngineDeadError as e:
-            logger.debug("stream %s ended: %s", runs[0][0], e)
-            yield APIError.unavailable(e).to_sse()
-        except Exception:
-            logger.exception("stream %s failed", runs[0][0])
-            yield internal_error().to_sse()
-        finally:
-            self.abort_all([request_id for request_id, _ in runs])
-        yield SSE_DONE
 
 
 def client_request_id(request: Any, raw_request: Request) -> str | None:

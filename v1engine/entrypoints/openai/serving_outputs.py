@@ -1,17 +1,25 @@
-"""Engine outputs on their way to a response: usage, the steps worth a streamed chunk, and the
-merging of a batch's streams (one engine request per prompt) into one.
+"""Engine outputs on their way to a response: usage, the steps worth a streamed chunk, the
+merging of a batch's streams (one engine request per prompt) into one, and server-sent events.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from pydantic import BaseModel
+
+from v1engine.engine.core_process import EngineDeadError
+from v1engine.entrypoints.openai.errors import APIError, internal_error
 from v1engine.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from v1engine.logger import init_logger
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 
+logger = init_logger(__name__)
+
 T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
 
 
 class StreamTally:
@@ -97,3 +105,25 @@ def sum_usage(usages: list[UsageInfo]) -> UsageInfo:
         total_tokens=sum(u.total_tokens for u in usages),
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+async def stream_events(
+    request_ids: list[str], chunks: AsyncIterator[BaseModel], abort: Callable[[list[str]], None]
+) -> AsyncIterator[str]:
+    """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
+
+    The client disconnecting cancels this generator (Starlette does), which aborts the
+    request's engine requests (`abort(request_ids)`, as when it ends).
+    """
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except EngineDeadError as e:
+        logger.debug("stream %s ended: %s", request_ids[0], e)
+        yield APIError.unavailable(e).to_sse()
+    except Exception:
+        logger.exception("stream %s failed", request_ids[0])
+        yield internal_error().to_sse()
+    finally:
+        abort(request_ids)
+    yield SSE_DONE
