@@ -183,7 +183,7 @@ class Processor:
             ValueError: the engine does not pool, or the request cannot be served (as
                 `process`, or dimensions the model was not trained for); nothing registered.
         """
-        self._require_runner("pooling", "embeddings")
+        self._require_runner("pooling", "embedding")
         check_priority(priority, self.scheduling_policy)
         params.check_for_model(self.model_config.hf_config, self.model_config.model)
         info = self.info
@@ -193,7 +193,8 @@ class Processor:
         request = EngineCoreRequest(
             request_id, prompt_token_ids, _POOLING_SAMPLING_PARAMS, priority=priority
         )
-        if len(prompt_token_ids) >= info.max_model_len:  # validate_request's words are for output
+        # Checked here too: validate_request's message speaks of room for output.
+        if len(prompt_token_ids) >= info.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens but this "
                 f"engine embeds at most max_model_len - 1 = {info.max_model_len - 1}; shorten it, "
