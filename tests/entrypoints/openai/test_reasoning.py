@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 
 import httpx
 import pytest
 
+from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_deltas
 from tests.entrypoints.openai.test_api_server import FakeClient
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
@@ -64,35 +64,8 @@ def test_where_each_parser_starts_the_thinking():
 
 
 def _chat(tokenizer, parser: str, pieces: list[str], stream: bool, **extra):
-    """The chat endpoint's response to one request, the engine replying `pieces` (each token
-    in an output of its own), then EOS."""
-
-    async def scenario():
-        client = FakeClient()
-        engine = AsyncLLM(client, tokenizer, EngineConfig(), ServerMetrics("m", 2048))
-        engine.start()
-        options = ServingOptions(reasoning_parser=parser)
-        app = build_app(build_state(engine, tokenizer, ["m"], "/model", options=options))
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-        transport = httpx.ASGITransport(app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            response = asyncio.create_task(http.post("/v1/chat/completions", json=body | extra))
-            (request,) = await client.wait_added(1)
-            token_ids = [t for piece in pieces for t in tokenizer.encode(piece)]
-            for token_id in token_ids:
-                client.push(request.request_id, [token_id])
-            client.push(request.request_id, [tokenizer.eos_token_id], "stop")
-            response = await response
-        await engine.stop()
-        return response
-
-    return asyncio.run(scenario())
-
-
-def _stream_deltas(response) -> list[dict]:
-    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(event)["choices"][0]["delta"] for event in events[:-1]]
+    options = ServingOptions(reasoning_parser=parser)
+    return scripted_chat(tokenizer, options, "".join(pieces), stream, **extra)
 
 
 REPLY = ["<think>", "The user greets me.", "</think>", "Hello! How can I help?"]
@@ -115,7 +88,7 @@ def test_the_chat_reply_carries_its_thinking_in_reasoning(tokenizer):
 
 
 def test_the_chat_stream_sends_thinking_then_content_with_no_tag(tokenizer):
-    deltas = _stream_deltas(_chat(tokenizer, "qwen3", REPLY, stream=True))
+    deltas = stream_deltas(_chat(tokenizer, "qwen3", REPLY, stream=True))
     reasoning = "".join(d.get("reasoning") or "" for d in deltas)
     content = "".join(d.get("content") or "" for d in deltas)
     assert (reasoning, content) == ("The user greets me.", "Hello! How can I help?")

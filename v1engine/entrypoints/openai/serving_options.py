@@ -72,7 +72,7 @@ class ServingOptions:
         )
         group.add_argument(
             "--tool-call-parser",
-            choices=TOOL_CALL_PARSERS,
+            choices=tuple(TOOL_CALL_PARSERS),
             default=None,
             help="how tool calls are found in a model's text for tool_choice auto",
         )

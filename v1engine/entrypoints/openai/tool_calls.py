@@ -4,7 +4,8 @@ constrains the output to the tools' JSON schemas, and the output is read back as
 "required": a JSON array of `{"name": <a tool's name>, "parameters": <its arguments>}` (at most
 one item when `parallel_tool_calls` is false); a named function: its arguments object. "none"
 leaves the output free; "auto" leaves it free too and needs the server's tool-call parser
-(`--enable-auto-tool-choice --tool-call-parser hermes`) to find the calls in the text.
+(`--enable-auto-tool-choice --tool-call-parser hermes`, see tool_parsers.py) to find the calls
+in the text.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from v1engine.entrypoints.openai.protocol_structured import (
 )
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import Constraint
-from v1engine.entrypoints.openai.tool_parsers import parse_hermes
+from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM's answer to "auto" when the server runs without a parser.
 AUTO_NEEDS_PARSER = (
@@ -99,11 +100,11 @@ def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict
 
 
 def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]] | None:
-    """`(content, tool calls)` of a finished output, or None when it holds no calls (no
-    `<tool_call>` for "auto"; not whole JSON, cut off by max_tokens, for the others): then it
+    """`(content, tool calls)` of a finished output, or None when it holds no calls (none the
+    parser finds, for "auto"; not whole JSON, cut off by max_tokens, for the others): then it
     is all content."""
     if mode.parser is not None:
-        content, calls = parse_hermes(text)
+        content, calls = TOOL_CALL_PARSERS[mode.parser](text)
         if not calls:
             return None
     else:

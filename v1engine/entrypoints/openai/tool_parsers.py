@@ -1,33 +1,121 @@
-"""Tool-call parsers for `tool_choice: "auto"`: they find the calls a model wrote in its text.
+"""Tool-call parsers for `tool_choice: "auto"` (vLLM's `--tool-call-parser`): they find the calls a
+model wrote in its text. Each returns `(content or None, [(name, arguments as JSON text)])`, and
+no calls where the text does not hold well-formed ones (it then stays content, as vLLM leaves it).
 
-hermes (Hermes, Qwen and many tool-tuned models): each call is
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the first call is the
-message's content.
+- hermes (Hermes, Qwen and many tool-tuned models): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the text before the first call is
+  the message's content.
+- llama3_json (Llama 3.1-3.3's JSON tool calling): the whole reply is one or more
+  `{"name": ..., "parameters": {...}}` objects (or `"arguments"`), separated by `;`, perhaps after
+  `<|python_tag|>`; no content.
+- pythonic (Llama 3.2 and 4, and others): the whole reply is a Python list of calls with literal
+  keyword arguments, `[get_weather(city="Paris", days=3), get_time()]`, perhaps between
+  `<|python_start|>` and `<|python_end|>`; no content. It is read with `ast` (literals only:
+  nothing in it runs).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+from collections.abc import Callable
+from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes",)
+Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """`(content or None, [(name, arguments as JSON text)])`; no calls when any call is not a
-    JSON object with a string `name` (the text then stays content, as vLLM's parser leaves it)."""
+def parse_hermes(text: str) -> tuple[str | None, Calls]:
     calls = []
     for match in _HERMES_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
+        call = _json_call(match.group(1), ("arguments",))
+        if call is None:
             return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        arguments = call.get("arguments", {})
-        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(call)
     if not calls:
         return text, []
     content = text[: text.index("<tool_call>")].strip()
     return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    calls, decoder, position = [], json.JSONDecoder(), 0
+    while position < len(body):
+        try:
+            value, end = decoder.raw_decode(body, position)
+        except ValueError:
+            return text, []
+        call = _as_call(value, ("parameters", "arguments"))
+        if call is None:
+            return text, []
+        calls.append(call)
+        position = _skip_separator(body, end)
+        if position is None:
+            return text, []
+    return None, calls
+
+
+def parse_pythonic(text: str) -> tuple[str | None, Calls]:
+    body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        calls = _python_calls(ast.parse(body, mode="eval").body)
+    # Not a list of calls with literal keyword arguments (a name, a call, **kwargs, bytes), or
+    # nested too deeply to read: nothing is evaluated either way.
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        return text, []
+    return None, calls
+
+
+def _python_calls(tree: ast.expr) -> Calls:
+    if not isinstance(tree, ast.List) or not tree.elts:
+        raise ValueError("not a list of calls")
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+            raise ValueError("not a call with keyword arguments only")
+        if any(keyword.arg is None for keyword in node.keywords):
+            raise ValueError("**kwargs")
+        arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+        calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _json_call(text: str, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    try:
+        return _as_call(json.loads(text), argument_keys)
+    except ValueError:
+        return None
+
+
+def _as_call(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """`(name, arguments JSON)` of a call object: a string `name` and its arguments under the
+    first of `argument_keys` it has (none: no arguments)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = next((value[key] for key in argument_keys if key in value), {})
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _skip_separator(body: str, position: int) -> int | None:
+    """Where the next call starts after one ends at `position` (whitespace, then `;` or `,`
+    between calls), the end of the text, or None for anything else."""
+    rest = body[position:].lstrip()
+    if not rest:
+        return len(body)
+    if rest[0] not in ";,":
+        return None
+    rest = rest[1:].lstrip()
+    return len(body) - len(rest)
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
+    "hermes": parse_hermes,
+    "llama3_json": parse_llama3_json,
+    "pythonic": parse_pythonic,
+}

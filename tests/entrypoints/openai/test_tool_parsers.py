@@ -1,0 +1,133 @@
+"""The `llama3_json` and `pythonic` tool-call parsers: what they read as calls and what they leave
+as content (never running anything), and the chat endpoint's `tool_calls`, whole and streamed,
+over a fake engine replaying such replies token by token (the hermes parser runs on a real server
+in test_serve_structured.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_deltas
+from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.tool_parsers import parse_llama3_json, parse_pythonic
+
+WEATHER = {"city": "Paris", "days": 3}
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ('{"name": "weather", "parameters": {"city": "Paris", "days": 3}}', [("weather", WEATHER)]),
+        (
+            '<|python_tag|>{"name": "weather", "arguments": {"city": "Paris", "days": 3}}',
+            [("weather", WEATHER)],
+        ),
+        ('{"name": "a", "parameters": {}}; {"name": "b"}', [("a", {}), ("b", {})]),
+        (' {"name": "a", "parameters": {"x": [1, null]}} ', [("a", {"x": [1, None]})]),
+    ],
+)
+def test_llama3_json_reads_whole_replies_of_calls(text, calls):
+    content, parsed = parse_llama3_json(text)
+    assert content is None
+    assert [(name, json.loads(arguments)) for name, arguments in parsed] == calls
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Paris is sunny.",
+        'Sure: {"name": "weather", "parameters": {}}',  # a call inside text is content
+        '{"name": "weather", "parameters": {}} and more',
+        '{"name": "weather", "parameters": {"city": "Par',  # cut by max_tokens
+        '{"parameters": {}}',
+        "[1, 2]",
+    ],
+)
+def test_llama3_json_leaves_anything_else_as_content(text):
+    assert parse_llama3_json(text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ("[weather(city='Paris', days=3)]", [("weather", WEATHER)]),
+        (
+            '<|python_start|>[weather(city="Paris", days=3), now()]<|python_end|>',
+            [("weather", WEATHER), ("now", {})],
+        ),
+        (
+            "[f(a=[1, {'b': None}], c=True, d=-2.5)]",
+            [("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})],
+        ),
+    ],
+)
+def test_pythonic_reads_a_list_of_calls_with_literal_arguments(text, calls):
+    content, parsed = parse_pythonic(text)
+    assert content is None
+    assert [(name, json.loads(arguments)) for name, arguments in parsed] == calls
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "It is sunny in Paris.",
+        "[weather('Paris')]",  # positional arguments
+        "[weather(city=__import__('os').getcwd())]",  # not a literal: never evaluated
+        "[weather(**kwargs)]",
+        "[weather(city=b'Paris')]",  # bytes are not JSON
+        "[weather(city={'a', 'b'})]",  # nor are sets
+        "[os.system(cmd='ls')]",  # an attribute, not a function name
+        "[weather(city='Paris')",  # cut by max_tokens
+        "[]",
+        "[" * 5000 + "]" * 5000,  # too deep for the parser: content, not a crash
+    ],
+)
+def test_pythonic_leaves_anything_else_as_content(text):
+    assert parse_pythonic(text) == (text, [])
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize(
+    "parser, reply",
+    [
+        ("llama3_json", '{"name": "weather", "parameters": {"city": "Paris", "days": 3}}'),
+        ("pythonic", "[weather(city='Paris', days=3)]"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_chat_endpoint_returns_the_parsed_calls(tokenizer, parser, reply, stream):
+    options = ServingOptions(tool_call_parser=parser)
+    response = scripted_chat(tokenizer, options, reply, stream, tools=TOOLS)
+    assert response.status_code == 200, response.text
+    if not stream:
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+    else:
+        deltas = stream_deltas(response)
+        assert not any(d.get("content") for d in deltas)
+        calls = [c for d in deltas for c in d.get("tool_calls") or []]
+        name = "".join(c["function"].get("name") or "" for c in calls)
+        arguments = "".join(c["function"].get("arguments") or "" for c in calls)
+    assert (name, json.loads(arguments)) == ("weather", WEATHER)
+
+
+def test_a_reply_without_calls_stays_content(tokenizer):
+    options = ServingOptions(tool_call_parser="pythonic")
+    response = scripted_chat(tokenizer, options, "It is sunny.", False, tools=TOOLS)
+    choice = response.json()["choices"][0]
+    assert choice["message"] == {**choice["message"], "content": "It is sunny.", "tool_calls": []}
+    assert choice["finish_reason"] == "stop"
