@@ -79,10 +79,13 @@ def validate_request(
 def _check_sampling_token_ids(request_id: str, params: SamplingParams, vocab_size: int) -> None:
     """The sampler indexes the logits with these ids, so each must be in the vocabulary."""
     bad_words_ids = [t for ids in params._bad_words_token_ids or [] for t in ids]
+    structured = params.structured_outputs
+    reasoning_end = None if structured is None else structured._reasoning_end_token_id
     for name, ids in (
         ("logit_bias", list(params.logit_bias or ())),
         ("allowed_token_ids", params.allowed_token_ids or []),
         ("bad_words", bad_words_ids),
+        ("structured_outputs", [] if reasoning_end is None else [reasoning_end]),
     ):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:

@@ -28,7 +28,8 @@ from v1engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from v1engine.core.scheduler import Scheduler
 from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
-from v1engine.request import FinishReason, RequestStatus
+from v1engine.request import EngineCoreRequest, FinishReason, RequestStatus, validate_request
+from v1engine.sampling_params import SamplingParams
 from v1engine.structured_outputs import StructuredOutputsParams
 
 REGEX = r"[a-c]{2,5}-[0-9]{1,3}"
@@ -166,3 +167,45 @@ def test_a_compile_past_the_time_out_ends_its_request_with_error(tokenizer) -> N
         release.set()
         manager.shutdown()
     assert results["slow"] == ([], "error")
+
+
+class ThinkingWorker(GrammarWorker):
+    """Thinks first: while a request's bitmask row allows every token, it samples `thoughts`,
+    then the reasoning end token; after that, from its bitmask row as GrammarWorker does."""
+
+    def pick_tokens(self, scheduler_output, req_ids, sampled):
+        sampled = super().pick_tokens(scheduler_output, req_ids, sampled)
+        rows = scheduler_output.structured_output_request_ids
+        for i, req_id in enumerate(req_ids):
+            if req_id in rows and (scheduler_output.grammar_bitmask[rows[req_id]] == -1).all():
+                self.free_rows += 1
+                sampled[i] = [self.thoughts.pop(0) if self.thoughts else THINK_END_ID]
+        return sampled
+
+
+THINK_END_ID = 1234
+
+
+def test_a_request_thinks_freely_then_follows_its_grammar(tokenizer) -> None:
+    scheduler, manager = make_structured_scheduler(tokenizer)
+    worker = make_worker(scheduler, worker_cls=ThinkingWorker)
+    worker.rng, worker.bitmask_rows, worker.free_rows = random.Random(0), [], 0
+    thoughts = [tokenizer.encode(w)[0] for w in ("Let", " me", " think")]
+    worker.thoughts = list(thoughts)
+    params = StructuredOutputsParams(regex=REGEX, _reasoning_end_token_id=THINK_END_ID)
+    scheduler.add_request(make_request("r", [5, 6, 7], max_tokens=40, structured_outputs=params))
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    tokens, reason = run(scheduler, worker)["r"]
+    # Every row before the end token allowed everything (no grammar would allow "Let me").
+    assert tokens[: len(thoughts) + 1] == [*thoughts, THINK_END_ID]
+    assert worker.free_rows == len(thoughts) + 1
+    answer = tokenizer.decode(tokens[len(thoughts) + 1 :], skip_special_tokens=True)
+    assert reason == "stop" and re.fullmatch(REGEX, answer), answer
+    manager.shutdown()
+
+
+def test_a_reasoning_end_token_outside_the_vocabulary_is_refused() -> None:
+    structured = StructuredOutputsParams(regex=REGEX, _reasoning_end_token_id=10**6)
+    request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=structured))
+    with pytest.raises(ValueError, match=r"structured_outputs has token ids \[1000000\]"):
+        validate_request(request, 128, 49152, set())

@@ -13,6 +13,10 @@ A request with `SamplingParams.structured_outputs` goes through these states:
 4. `accept_token` (update_from_output): the matcher advances over each sampled token; a grammar
    that has terminated (its stop token accepted) finishes the request with "stop".
 
+A request whose params carry a reasoning end token (the server's reasoning parser sets it) thinks
+first: until it samples that token its bitmask rows allow everything and its matcher sees
+nothing; the grammar governs what follows.
+
 The matcher follows the output tokens only, and preemption keeps those: a recomputed request
 resumes with the matcher as it was, and needs no rollback.
 """
@@ -47,10 +51,17 @@ logger = init_logger(__name__)
 class StructuredOutputRequest:
     """One request's grammar: its compile, then its matcher."""
 
-    def __init__(self, future: Future[xgr.CompiledGrammar], deadline: float) -> None:
+    def __init__(
+        self,
+        future: Future[xgr.CompiledGrammar],
+        deadline: float,
+        reasoning_end_token_id: int | None = None,
+    ) -> None:
         self.future = future
         self.deadline = deadline  # on time.monotonic()'s clock
         self.matcher: xgr.GrammarMatcher | None = None
+        # Still thinking: the grammar starts after this token (None: from the first token).
+        self.reasoning_end_token_id = reasoning_end_token_id
 
 
 class StructuredOutputManager:
@@ -91,7 +102,9 @@ class StructuredOutputManager:
         assert params is not None and request.status == RequestStatus.WAITING
         future = self._get_backend().compile_async(params)
         deadline = time.monotonic() + self.compile_timeout_s
-        request.structured_output_request = StructuredOutputRequest(future, deadline)
+        request.structured_output_request = StructuredOutputRequest(
+            future, deadline, params._reasoning_end_token_id
+        )
         request.status = RequestStatus.WAITING_FOR_FSM
 
     def update_waiting(self, waiting: Iterable[Request]) -> list[Request]:
@@ -139,7 +152,11 @@ class StructuredOutputManager:
         sample token t next (xgrammar's packing: token t is bit t % 32 of word t // 32)."""
         bitmask = import_xgrammar().allocate_token_bitmask(len(requests), self.vocab_size)
         for row, request in enumerate(requests):
-            request.structured_output_request.matcher.fill_next_token_bitmask(bitmask, row)
+            so_request = request.structured_output_request
+            if so_request.reasoning_end_token_id is None:
+                so_request.matcher.fill_next_token_bitmask(bitmask, row)
+            else:
+                bitmask[row] = -1  # thinking: every bit set, every token allowed
         return bitmask.numpy()
 
     def accept_token(self, request: Request, token_id: int) -> RequestStatus | None:
@@ -147,7 +164,12 @@ class StructuredOutputManager:
         the request (FINISHED_STOPPED: the grammar terminated; FINISHED_ERROR: the grammar
         rejected a token the bitmask allowed, possible only when another mask left no token),
         or None: it goes on."""
-        matcher = request.structured_output_request.matcher
+        so_request = request.structured_output_request
+        if so_request.reasoning_end_token_id is not None:  # thinking: the grammar waits
+            if token_id == so_request.reasoning_end_token_id:
+                so_request.reasoning_end_token_id = None
+            return None
+        matcher = so_request.matcher
         if not matcher.accept_token(token_id):
             logger.error(
                 "request %s: token %d does not fit its grammar; finishing it",

@@ -30,6 +30,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # vLLM's field for the outlines and guidance backends; xgrammar refuses it (backend.py).
     whitespace_pattern: str | None = None
+    # Set by the server's reasoning parser, not by users: the grammar applies only after the
+    # output's first token of this id (the model's one-token `</think>`); before it the model
+    # thinks freely.
+    _reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if _is_set(getattr(self, kind))]

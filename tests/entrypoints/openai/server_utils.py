@@ -32,14 +32,16 @@ STARTUP_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (https?)://([^ ]+):(\d+)")
 
 
-def make_tiny_checkpoint(directory: str) -> str:
+def make_tiny_checkpoint(directory: str, tokenizer: Any = None) -> str:
     """A random 2-layer llama with SmolLM2's vocabulary, and SmolLM2's tokenizer (and chat
-    template) beside it, so the server has real text in and out. Nothing downloads."""
+    template) beside it, so the server has real text in and out (`tokenizer`: another one, the
+    vocabulary its size). Nothing downloads."""
     from transformers import AutoTokenizer
 
     from v1engine.model.hf_config import default_model_path, prepare_checkpoint
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_checkpoint(default_model_path()))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(prepare_checkpoint(default_model_path()))
     path = make_checkpoint(
         directory,
         "llama",

@@ -9,8 +9,14 @@ Where the thinking starts:
   `<think>` (templates that open the thinking themselves); otherwise the output is all content
   (e.g. Qwen3 with `enable_thinking: false`, whose template closes an empty thinking block).
 It ends at the first `</think>`; without one, everything after the start is reasoning (cut by
-max_tokens, say). A request with a constraint (a JSON schema, regex, grammar or forced tool call)
-has no reasoning: its grammar governs the whole output, which is all content.
+max_tokens, say).
+
+A request with a constraint (a JSON schema, regex, grammar or forced tool call) thinks first and
+follows its grammar after `</think>` where the tokenizer spells `</think>` as one token (Qwen3's,
+DeepSeek-R1's): the engine core applies the grammar from after that token (see
+core/structured_output_manager.py), unless the prompt already closed the thinking (Qwen3 with
+`enable_thinking: false`). With another tokenizer the grammar governs the whole output, which is
+then all content.
 
 Streaming splits each text delta the same way; text that may be the beginning of a tag is held
 back until the next delta (or the end) shows whether it is one.
@@ -19,6 +25,7 @@ back until the next delta (or the end) shows whether it is one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -27,6 +34,17 @@ THINK_START, THINK_END = "<think>", "</think>"
 def opens_thinking(parser: str, prompt: str | None) -> bool:
     """Whether the output starts inside the thinking (before any tag of its own)."""
     return parser == "deepseek_r1" or (prompt or "").rstrip().endswith(THINK_START)
+
+
+def closes_thinking(prompt: str | None) -> bool:
+    """Whether the prompt ends with the thinking closed (an empty block, thinking turned off)."""
+    return (prompt or "").rstrip().endswith(THINK_END)
+
+
+def think_end_token_id(tokenizer: Any) -> int | None:
+    """The id of `</think>` where the tokenizer spells it as one token, else None."""
+    token_ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    return token_ids[0] if len(token_ids) == 1 else None
 
 
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:

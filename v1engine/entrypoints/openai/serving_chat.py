@@ -35,8 +35,10 @@ from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
 from v1engine.entrypoints.openai.reasoning import (
     ReasoningStream,
+    closes_thinking,
     opens_thinking,
     split_reasoning,
+    think_end_token_id,
 )
 from v1engine.entrypoints.openai.serving_engine import OpenAIServing, client_request_id
 from v1engine.entrypoints.openai.serving_outputs import (
@@ -55,6 +57,7 @@ from v1engine.entrypoints.openai.tool_calls import (
     tool_mode,
 )
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+from v1engine.structured_outputs.params import StructuredOutputsParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -76,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
-        opened = self._opens_thinking(prompt, constraint)
+        constraint, opened = self._plan_reasoning(prompt, constraint)
         inputs = [self.make_input(request, prompt, token_ids, constraint)]
         output_kind = "delta" if request.stream else "final"
         request_id, runs = await self.add_requests(
@@ -100,14 +103,23 @@ class OpenAIServingChat(OpenAIServing):
         )
         return JSONResponse(response.model_dump())
 
-    def _opens_thinking(self, prompt: str, constraint: Any) -> bool | None:
-        """None where replies are not split into reasoning and content (no --reasoning-parser,
-        or a constraint, which governs the whole output); else whether the output starts
-        inside the thinking (reasoning.py)."""
+    def _plan_reasoning(
+        self, prompt: str, constraint: StructuredOutputsParams | None
+    ) -> tuple[StructuredOutputsParams | None, bool | None]:
+        """The constraint (applied after the thinking where it can be, see reasoning.py), and
+        None where replies are not split into reasoning and content (no --reasoning-parser, or
+        a grammar that governs the whole output), else whether the output starts inside the
+        thinking."""
         parser = self.options.reasoning_parser
-        if parser is None or constraint is not None:
-            return None
-        return opens_thinking(parser, prompt)
+        if parser is None:
+            return constraint, None
+        if constraint is None:
+            return None, opens_thinking(parser, prompt)
+        end_token_id = think_end_token_id(self.tokenizer)
+        if end_token_id is None or closes_thinking(prompt):
+            return constraint, None
+        deferred = dataclasses.replace(constraint, _reasoning_end_token_id=end_token_id)
+        return deferred, opens_thinking(parser, prompt)
 
     def _render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         if not request.messages:
