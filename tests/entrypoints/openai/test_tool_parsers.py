@@ -1,7 +1,8 @@
 """The `llama3_json` and `pythonic` tool-call parsers: what they read as calls and what they leave
 as content (never running anything), and the chat endpoint's `tool_calls`, whole and streamed,
 over a fake engine replaying such replies token by token (the hermes parser runs on a real server
-in test_serve_structured.py)."""
+in test_serve_structured.py); and, for every parser, that a stream sends content as it comes, up
+to where a call may begin."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import pytest
 
 from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_deltas
 from v1engine.entrypoints.openai.serving_options import ServingOptions
-from v1engine.entrypoints.openai.tool_parsers import parse_llama3_json, parse_pythonic
+from v1engine.entrypoints.openai.tool_parsers import (
+    content_end,
+    parse_llama3_json,
+    parse_pythonic,
+)
 
 WEATHER = {"city": "Paris", "days": 3}
+HERMES_CALL = json.dumps({"name": "weather", "arguments": WEATHER})
 
 
 @pytest.mark.parametrize(
@@ -131,3 +137,50 @@ def test_a_reply_without_calls_stays_content(tokenizer):
     choice = response.json()["choices"][0]
     assert choice["message"] == {**choice["message"], "content": "It is sunny.", "tool_calls": []}
     assert choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    "parser, text, end",
+    [
+        ("hermes", "Sure, let me", len("Sure, let me")),
+        ("hermes", "Sure. ", len("Sure.")),  # trailing whitespace may precede a call
+        ("hermes", "Sure. <tool_c", len("Sure.")),  # the start of a marker is held
+        ("hermes", 'Sure. <tool_call>{"name"', len("Sure.")),
+        ("llama3_json", "  ", 0),  # undecided
+        ("llama3_json", "<|python_t", 0),
+        ("llama3_json", '{"name": "weather"', 0),  # perhaps a call: held to the end
+        ("llama3_json", "It is", len("It is")),
+        ("pythonic", "[weather(", 0),
+        ("pythonic", "The answer", len("The answer")),
+    ],
+)
+def test_a_stream_sends_what_is_surely_content(parser, text, end):
+    assert content_end(parser, text) == end
+
+
+@pytest.mark.parametrize(
+    "parser, reply, content, called",
+    [
+        (
+            "hermes",
+            f"Let me check the weather. <tool_call>{HERMES_CALL}</tool_call>",
+            "Let me check the weather.",
+            True,
+        ),
+        ("hermes", "It is sunny in Paris today.", "It is sunny in Paris today.", False),
+        ("pythonic", "It is sunny in Paris today.", "It is sunny in Paris today.", False),
+        ("pythonic", "[weather(city='Paris', days=3)]", "", True),
+    ],
+)
+def test_streamed_content_goes_out_before_the_reply_ends(tokenizer, parser, reply, content, called):
+    options = ServingOptions(tool_call_parser=parser)
+    deltas = stream_deltas(scripted_chat(tokenizer, options, reply, True, tools=TOOLS))
+    pieces = [d["content"] for d in deltas if d.get("content")]
+    assert "".join(pieces) == content
+    if content:
+        assert len(pieces) > 1  # streamed token by token, not sent whole at the end
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    assert bool(calls) == called
+    if called:  # the content went out before the calls
+        first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+        assert all(not d.get("content") for d in deltas[first_call:])

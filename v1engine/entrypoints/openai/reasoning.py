@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from v1engine.engine.detokenizer import partial_stop_len
+
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -74,7 +76,7 @@ class ReasoningStream:
                 reasoning, text = text[:end], text[end + len(THINK_END) :]
                 self.state = "content"
             else:
-                keep = 0 if finished else _partial_tag_len(text, THINK_END)
+                keep = 0 if finished else partial_stop_len(text, [THINK_END])
                 reasoning, self.held, text = text[: len(text) - keep], text[len(text) - keep :], ""
         if self.state == "content":
             content = text
@@ -95,11 +97,3 @@ class ReasoningStream:
     def _enter(self, state: str) -> None:
         self.state = state
         self.reasoned = self.reasoned or state == "reasoning"
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper beginning of `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -49,6 +49,7 @@ from v1engine.entrypoints.openai.serving_outputs import (
     stream_steps,
 )
 from v1engine.entrypoints.openai.tool_calls import (
+    ToolCallStream,
     ToolMode,
     parse_tool_calls,
     template_message_tool_fields,
@@ -140,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
         # With a reasoning parser, each delta's thinking goes in `reasoning` as it comes.
         tally = StreamTally()
-        texts: dict[int, str] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
         streams: dict[int, ReasoningStream] = {}
         roles_sent = False
         async for completions in stream_steps(outputs, tally):
@@ -162,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices = [_stream_choice(c, request, reasoning.get(c.index)) for c in completions]
             else:
                 choices = [_thinking_choice(i, text) for i, text in reasoning.items() if text]
-                choices += _tool_stream_choices(completions, mode, texts)
+                choices += _tool_stream_choices(completions, mode, tool_streams)
             for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
                 usage = choice_usage(tally, choice.index, request.continuous_usage)
                 yield ChatCompletionChunk(
@@ -218,30 +219,29 @@ def _thinking_choice(index: int, reasoning: str) -> ChatStreamChoice:
 
 
 def _tool_stream_choices(
-    completions: list[CompletionOutput], mode: ToolMode, texts: dict[int, str]
+    completions: list[CompletionOutput], mode: ToolMode, streams: dict[int, ToolCallStream]
 ) -> list[ChatStreamChoice]:
-    """The choices that ended in this step: their content (if any), tool-call deltas, then a
-    finish (all content when the output holds no calls); the others' text is kept in `texts`
-    until they end. Each goes in its own chunk."""
+    """Per choice: its content as soon as it is surely not a call (`ToolCallStream`), then,
+    when it ends, its tool-call deltas and its finish. Each goes in its own chunk."""
     choices = []
     for output in completions:
-        index, text = output.index, texts.pop(output.index, "") + output.text
-        if output.finish_reason is None:
-            texts[index] = text
-            continue
-        parsed = parse_tool_calls(mode, text)
-        content, calls = (text, []) if parsed is None else parsed
+        index = output.index
+        stream = streams.setdefault(index, ToolCallStream(mode))
+        finished = output.finish_reason is not None
+        content = stream.feed(output.text, finished)
         if content:
             choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
+        if not finished:
+            continue
         choices.extend(
             ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
-            for call_delta in tool_call_deltas(calls)
+            for call_delta in tool_call_deltas(stream.calls)
         )
         choices.append(
             ChatStreamChoice(
                 index=index,
                 delta=ChatDelta(),
-                finish_reason=output.finish_reason if parsed is None else "tool_calls",
+                finish_reason="tool_calls" if stream.calls else output.finish_reason,
                 stop_reason=output.stop_reason,
             )
         )

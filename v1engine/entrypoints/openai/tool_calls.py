@@ -26,7 +26,7 @@ from v1engine.entrypoints.openai.protocol_structured import (
 )
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import Constraint
-from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, content_end
 
 # vLLM's answer to "auto" when the server runs without a parser.
 AUTO_NEEDS_PARSER = (
@@ -122,6 +122,33 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
         for n, a in calls
     ]
     return content, tool_calls
+
+
+class ToolCallStream:
+    """One choice's reply streamed under a tool mode: `feed` returns the content that may go out
+    now (with a parser, what is surely not a call, see `tool_parsers.content_end`; forced calls:
+    none), and once the reply ends `calls` holds its calls, parsed from the whole text, or it
+    sends the rest as content (it held no calls)."""
+
+    def __init__(self, mode: ToolMode) -> None:
+        self.mode = mode
+        self.text = ""
+        self.num_sent = 0  # text[:num_sent] went out as content
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str, finished: bool) -> str:
+        self.text += delta
+        parser = self.mode.parser
+        end = 0 if parser is None else content_end(parser, self.text)
+        if finished:
+            parsed = parse_tool_calls(self.mode, self.text)
+            if parsed is None:
+                end = len(self.text)
+            else:
+                self.calls = parsed[1]
+        content = self.text[self.num_sent : end]
+        self.num_sent = max(self.num_sent, end)
+        return content
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:

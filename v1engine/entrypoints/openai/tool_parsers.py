@@ -22,6 +22,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from v1engine.engine.detokenizer import partial_stop_len
+
 Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -112,6 +114,28 @@ def _skip_separator(body: str, position: int) -> int | None:
         return None
     rest = rest[1:].lstrip()
     return len(body) - len(rest)
+
+
+# Where each parser's calls can begin, for streaming: at a marker anywhere (the content before
+# it streams), or only at the reply's start (a reply that starts otherwise is all content).
+_CALL_MARKERS = {"hermes": "<tool_call>"}
+_CALL_STARTS = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
+
+
+def content_end(parser: str, text: str) -> int:
+    """How much of `text`, a reply so far, is surely content (not the start of a call, nor
+    whitespace that may precede one): what a stream may send before the reply ends."""
+    marker = _CALL_MARKERS.get(parser)
+    if marker is not None:
+        end = text.find(marker)
+        if end < 0:
+            end = len(text) - partial_stop_len(text, [marker])
+        return len(text[:end].rstrip())
+    stripped = text.lstrip()
+    starts = _CALL_STARTS[parser]
+    if not stripped or any(s.startswith(stripped) or stripped.startswith(s) for s in starts):
+        return 0  # undecided, or perhaps calls: held until the reply ends
+    return len(text)
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
