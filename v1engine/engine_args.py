@@ -107,14 +107,13 @@ class EngineArgs:
         """The model's part: its transformers config, the context length resolved against it,
         and the sampling defaults of its generation_config.json."""
         from v1engine.engine.generation_defaults import load_sampling_defaults
+        from v1engine.model.hf_config import load_hf_config, resolve_max_model_len, resolve_runner
 
         if self.runner not in RUNNER_TYPES:
             raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         hf_config = None
         max_model_len = self.max_model_len or 2048
         if self.model is not None:
-            from v1engine.model.hf_config import load_hf_config, resolve_max_model_len
-
             hf_config = load_hf_config(self.model, self.trust_remote_code)
             max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         return ModelConfig(
@@ -128,7 +127,7 @@ class EngineArgs:
             hf_config=hf_config,
             generation_config=self.generation_config,
             sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
-            runner_type="generate" if self.runner == "auto" else self.runner,
+            runner_type=resolve_runner(self.runner, hf_config),
         )
 
     @staticmethod

@@ -163,3 +163,30 @@ def test_llm_score_is_the_cosine_similarity_of_embeddings(tmp_path):
     assert abs(one_to_n[2].outputs.score - 1.0) < 1e-5  # the query against itself
     for output, (a, b) in zip(pairwise, zip(documents[:2], documents[1:])):
         assert abs(output.outputs.score - expected(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("preset, tp", [("llama", 2), ("qwen3", 1)])
+def test_a_base_model_checkpoint_embeds_by_default(tmp_path, preset, tp):
+    # transformers' AutoModel checkpoints (LlamaModel, Qwen3Model: no LM head, tensors without
+    # "model."), as embedding models ship: runner "auto" pools them.
+    path = make_checkpoint(tmp_path, preset, base_model=True)
+    model = load_hf_base_model(path)
+    with make_llm(path, tensor_parallel_size=tp) as llm:
+        assert llm.config.model_config.runner_type == "pooling"
+        outputs = llm.embed(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            expected = model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        assert_close(output.outputs.embedding, expected)
+
+
+def test_a_base_model_cannot_generate(tmp_path):
+    path = make_checkpoint(tmp_path, "llama", base_model=True)
+    with pytest.raises(ValueError, match="LlamaModel is a base model without an LM head"):
+        make_llm(path, runner="generate")
+
+
+def load_hf_base_model(path: str):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, dtype=torch.float32).eval()

@@ -82,12 +82,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.1 * noise)
 
 
-def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A float32 transformers model of preset `arch` with random weights, in eval mode."""
-    from transformers import AutoModelForCausalLM
+def make_hf_model(
+    arch: str, seed: int = 0, base_model: bool = False, **overrides: Any
+) -> torch.nn.Module:
+    """A float32 transformers model of preset `arch` with random weights, in eval mode
+    (`base_model`: transformers' AutoModel, e.g. LlamaModel, without the LM head)."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     config = make_config(arch, **overrides)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto_cls = AutoModel if base_model else AutoModelForCausalLM
+    model = auto_cls.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     return model.eval()
 
@@ -99,14 +103,16 @@ def make_checkpoint(
     seed: int = 0,
     name: str | None = None,
     max_shard_size: str | None = None,
+    base_model: bool = False,
     **overrides: Any,
 ) -> str:
     """Saves a random preset-`arch` model under `tmp_path/<name or arch>`; returns that directory.
 
     `max_shard_size` (e.g. "40KB") splits the weights into several safetensors files with a
-    `model.safetensors.index.json`, as large real checkpoints are.
+    `model.safetensors.index.json`, as large real checkpoints are; `base_model` saves
+    transformers' AutoModel (LlamaModel, ...: no LM head), as embedding checkpoints are.
     """
-    model = make_hf_model(arch, seed, **overrides)
+    model = make_hf_model(arch, seed, base_model, **overrides)
     path = os.path.join(os.fspath(tmp_path), name or arch)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)

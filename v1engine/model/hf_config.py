@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from v1engine.model.models.registry import (
     architecture_for_model_type,
     check_architecture,
+    is_base_model,
     supported_architectures,
 )
 from v1engine.utils import DEFAULT_CACHE_DIR, write_atomically
@@ -129,6 +130,25 @@ def get_architecture(hf_config: Any) -> str:
         )
     check_architecture(archs[0])  # raises, naming the supported architectures
     return archs[0]
+
+
+def resolve_runner(runner: str, hf_config: Any) -> str:
+    """ "generate" or "pooling" for `runner` ("auto", "generate", "pooling"): as vLLM's auto, a
+    causal LM generates and a base model (no LM head, e.g. `Qwen3Model`) pools.
+
+    Raises:
+        ValueError: "generate" for a base model, which has no LM head to generate with.
+    """
+    architecture = None if hf_config is None else get_architecture(hf_config)
+    base = architecture is not None and is_base_model(architecture)
+    if runner == "auto":
+        return "pooling" if base else "generate"
+    if runner == "generate" and base:
+        raise ValueError(
+            f"{architecture} is a base model without an LM head: it can embed, not generate; "
+            "serve it with --runner pooling (or auto)"
+        )
+    return runner
 
 
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 from v1engine.logger import init_logger
 from v1engine.model.hf_config import get_architecture, prepare_checkpoint
 from v1engine.model.layers.linear import pack_cpu_weights
-from v1engine.model.models.registry import get_model_class
+from v1engine.model.models.registry import get_model_class, is_base_model
 from v1engine.model.parallel_state import get_tp_rank
 from v1engine.model.weight_utils import WeightSource
 
@@ -88,15 +88,24 @@ def load_model(
     `prepare_checkpoint`). Raises RuntimeError/ValueError naming the missing file or tensor when
     the checkpoint is bad.
     """
-    model_cls = get_model_class(get_architecture(hf_config))
+    architecture = get_architecture(hf_config)
+    model_cls = get_model_class(architecture)
+    headless = is_base_model(architecture)
     device = torch.device(device)
     checkpoint_dir = prepare_checkpoint(checkpoint_dir)
     files = get_weight_files(checkpoint_dir)
     with torch.device(device):
-        model = model_cls(hf_config, dtype)
+        model = model_cls(hf_config, dtype, has_lm_head=not headless)
+    weights = iterate_weights(files)
+    if headless:  # a base model's tensors are its causal class's `model.*` ones
+        weights = ((_causal_name(name), source) for name, source in weights)
     # Slices are read on CPU and copied into the device parameters shard by shard.
-    model.load_weights(iterate_weights(files))
+    model.load_weights(weights)
     pack_cpu_weights(model)
     model.eval()
     logger.debug("Loaded %s from %s on %s", model_cls.__name__, checkpoint_dir, device)
     return model
+
+
+def _causal_name(base_name: str) -> str:
+    return base_name if base_name.startswith("model.") else f"model.{base_name}"

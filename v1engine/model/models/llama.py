@@ -223,14 +223,18 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype = torch.float32, has_lm_head: bool = True
+    ) -> None:
+        """`has_lm_head=False`: a base model (embeddings only), whose LM head is the embedding,
+        tied, so that profiling can run it and it holds no memory of its own."""
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         with _default_dtype(dtype):
             self.model = LlamaModel(hf_config, self.attention_cls)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
-        if hf_config.tie_word_embeddings:
+        if hf_config.tie_word_embeddings or not has_lm_head:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     @torch.no_grad()

@@ -19,6 +19,16 @@ _MODELS = {
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
 }
 
+# Base models (transformers' AutoModel: no LM head, tensor names without "model."), which serve
+# embeddings only (--runner pooling): each runs as its family's causal class, the LM head tied to
+# the embedding so that it costs nothing (see `load_model`).
+_BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+
 # GGUF metadata carries a model_type but no `architectures`.
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -29,7 +39,12 @@ _MODEL_TYPE_TO_ARCH = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(_MODELS | _BASE_MODELS)
+
+
+def is_base_model(architecture: str) -> bool:
+    """Whether the architecture has no LM head (it can embed, not generate)."""
+    return architecture in _BASE_MODELS
 
 
 def architecture_for_model_type(model_type: str | None) -> str | None:
@@ -37,7 +52,7 @@ def architecture_for_model_type(model_type: str | None) -> str | None:
 
 
 def check_architecture(architecture: str) -> None:
-    if architecture not in _MODELS:
+    if architecture not in _MODELS and architecture not in _BASE_MODELS:
         raise ValueError(
             f"model architecture {architecture!r} is not supported; supported architectures: "
             f"{supported_architectures()}"
@@ -46,5 +61,5 @@ def check_architecture(architecture: str) -> None:
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     check_architecture(architecture)
-    module_name, class_name = _MODELS[architecture].split(":")
+    module_name, class_name = _MODELS[_BASE_MODELS.get(architecture, architecture)].split(":")
     return getattr(importlib.import_module(module_name), class_name)
