@@ -127,3 +127,16 @@ def test_an_earlier_turns_thinking_reaches_the_template_under_both_names(tokeniz
 
     tokens = asyncio.run(scenario()).json()["tokens"]
     assert tokenizer.decode(tokens) == "[|][be kind|be kind][be brief|be brief]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_leaves_the_thinking_out(tokenizer, stream):
+    response = _chat(tokenizer, "qwen3", REPLY, stream, include_reasoning=False)
+    if not stream:
+        message = response.json()["choices"][0]["message"]
+        reasoning, content = message["reasoning"], message["content"]
+    else:
+        deltas = stream_deltas(response)
+        reasoning = "".join(d.get("reasoning") or "" for d in deltas) or None
+        content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == (None, "Hello! How can I help?")

@@ -232,6 +232,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: bool = True
+    # vLLM's: with --reasoning-parser, false leaves the thinking out of the reply (it is still
+    # kept out of the content).
+    include_reasoning: bool = True
 
     def to_sampling_params(
         self, default_max_tokens: int, defaults: Mapping[str, Any] | None = None

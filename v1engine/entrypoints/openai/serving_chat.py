@@ -159,6 +159,8 @@ class OpenAIServingChat(OpenAIServing):
             reasoning: dict[int, str] = {}
             if opened is not None:
                 completions, reasoning = _split_deltas(completions, streams, opened)
+                if not request.include_reasoning:
+                    reasoning = {}
             if mode is None:
                 choices = [_stream_choice(c, request, reasoning.get(c.index)) for c in completions]
             else:
@@ -190,6 +192,8 @@ def _choice(
         (content, calls), finish_reason = parsed, "tool_calls"
     if reasoning is not None and not content:
         content = None  # as vLLM: a reply that only thought has no content
+    if not request.include_reasoning:
+        reasoning = None
     message = ChatResponseMessage(content=content, tool_calls=calls, reasoning=reasoning)
     return ChatChoice(
         index=output.index,
