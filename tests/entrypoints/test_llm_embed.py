@@ -190,3 +190,25 @@ def load_hf_base_model(path: str):
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def lm_head_copies(worker) -> tuple[bool, bool, bool]:
+    """(the LM head has a packed copy for the CPU gemm, the first projection has one, the
+    runner has a greedy screen)."""
+    runner = worker.model_runner
+    projection = runner.model.model.layers[0].mlp.down_proj
+    return (
+        runner.model.lm_head.packed_weight is not None,
+        projection.packed_weight is not None,
+        runner.greedy_screen is not None,
+    )
+
+
+def test_a_pooling_engine_keeps_no_copies_of_the_lm_head(llama_checkpoint, embedder):
+    # The LM head only samples; an engine that never samples holds it once (the profile run
+    # reads the plain weight).
+    ((head_packed, _, screen),) = embedder.collective_rpc(lm_head_copies)
+    assert not head_packed and not screen
+    with make_llm(llama_checkpoint) as generating:
+        ((head_packed, projection_packed, _),) = generating.collective_rpc(lm_head_copies)
+    assert head_packed == projection_packed  # a generating engine packs both, or neither

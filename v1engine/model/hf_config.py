@@ -133,8 +133,8 @@ def get_architecture(hf_config: Any) -> str:
 
 
 def resolve_runner(runner: str, hf_config: Any) -> str:
-    """ "generate" or "pooling" for `runner` ("auto", "generate", "pooling"): as vLLM's auto, a
-    causal LM generates and a base model (no LM head, e.g. `Qwen3Model`) pools.
+    """The runner type, "generate" or "pooling", for `runner` ("auto", "generate", "pooling"):
+    as vLLM's auto, a causal LM generates and a base model (no LM head, e.g. `Qwen3Model`) pools.
 
     Raises:
         ValueError: "generate" for a base model, which has no LM head to generate with.

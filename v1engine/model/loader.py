@@ -81,8 +81,10 @@ def load_model(
     hf_config: Any,
     dtype: torch.dtype,
     device: torch.device | str,
+    pooling: bool = False,
 ) -> nn.Module:
-    """The model for `hf_config`, built on `device` in `dtype`, with this rank's weights loaded.
+    """The model for `hf_config`, built on `device` in `dtype`, with this rank's weights loaded
+    (`pooling`: it only embeds, so its LM head gets no packed copy for the CPU gemm).
 
     `checkpoint_dir` is an HF directory, or a .gguf file (converted once, see
     `prepare_checkpoint`). Raises RuntimeError/ValueError naming the missing file or tensor when
@@ -101,7 +103,7 @@ def load_model(
         weights = ((_causal_name(name), source) for name, source in weights)
     # Slices are read on CPU and copied into the device parameters shard by shard.
     model.load_weights(weights)
-    pack_cpu_weights(model)
+    pack_cpu_weights(model, with_lm_head=not pooling)
     model.eval()
     logger.debug("Loaded %s from %s on %s", model_cls.__name__, checkpoint_dir, device)
     return model

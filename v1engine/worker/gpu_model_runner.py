@@ -110,10 +110,13 @@ class GPUModelRunner:
     def load_model(self) -> None:
         start = time.perf_counter()
         checkpoint_dir = prepare_checkpoint(self.config.model_config.model)
-        self.model = load_model(checkpoint_dir, self.hf_config, self.dtype, self.device)
+        self.model = load_model(
+            checkpoint_dir, self.hf_config, self.dtype, self.device, self.pooling
+        )
         self.attn_layers = get_attention_layers(self.model)
         self.attn_backend = get_default_attention_backend(self.device.type)
-        self.greedy_screen = GreedyScreen.for_model(self.model)
+        # A pooling engine never samples: no bfloat16 copy of the LM head either.
+        self.greedy_screen = None if self.pooling else GreedyScreen.for_model(self.model)
         # parameters() yields a tied weight once; the CPU gemm's packed copies are not parameters.
         self.weights_bytes = sum(
             p.numel() * p.element_size() for p in self.model.parameters()
