@@ -22,76 +22,67 @@ WEATHER = {"city": "Paris", "days": 3}
 HERMES_CALL = json.dumps({"name": "weather", "arguments": WEATHER})
 
 
-@pytest.mark.parametrize(
-    "text, calls",
-    [
-        ('{"name": "weather", "parameters": {"city": "Paris", "days": 3}}', [("weather", WEATHER)]),
-        (
-            '<|python_tag|>{"name": "weather", "arguments": {"city": "Paris", "days": 3}}',
-            [("weather", WEATHER)],
-        ),
-        ('{"name": "a", "parameters": {}}; {"name": "b"}', [("a", {}), ("b", {})]),
-        (' {"name": "a", "parameters": {"x": [1, null]}} ', [("a", {"x": [1, None]})]),
-    ],
-)
-def test_llama3_json_reads_whole_replies_of_calls(text, calls):
-    content, parsed = parse_llama3_json(text)
+# (parser, a whole reply of calls, the calls it reads)
+CALLS = [
+    (
+        parse_llama3_json,
+        json.dumps({"name": "weather", "parameters": WEATHER}),
+        [("weather", WEATHER)],
+    ),
+    (
+        parse_llama3_json,
+        '<|python_tag|>{"name": "weather", "arguments": {"city": "Paris", "days": 3}}',
+        [("weather", WEATHER)],
+    ),
+    (parse_llama3_json, '{"name": "a", "parameters": {}}; {"name": "b"}', [("a", {}), ("b", {})]),
+    (
+        parse_llama3_json,
+        ' {"name": "a", "parameters": {"x": [1, null]}} ',
+        [("a", {"x": [1, None]})],
+    ),
+    (parse_pythonic, "[weather(city='Paris', days=3)]", [("weather", WEATHER)]),
+    (
+        parse_pythonic,
+        '<|python_start|>[weather(city="Paris", days=3), now()]<|python_end|>',
+        [("weather", WEATHER), ("now", {})],
+    ),
+    (
+        parse_pythonic,
+        "[f(a=[1, {'b': None}], c=True, d=-2.5)]",
+        [("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})],
+    ),
+]
+# (parser, a reply it must leave as content)
+NOT_CALLS = [
+    (parse_llama3_json, "Paris is sunny."),
+    (parse_llama3_json, 'Sure: {"name": "weather", "parameters": {}}'),  # a call inside text
+    (parse_llama3_json, '{"name": "weather", "parameters": {}} and more'),
+    (parse_llama3_json, '{"name": "weather", "parameters": {"city": "Par'),  # cut by max_tokens
+    (parse_llama3_json, '{"parameters": {}}'),
+    (parse_llama3_json, "[1, 2]"),
+    (parse_pythonic, "It is sunny in Paris."),
+    (parse_pythonic, "[weather('Paris')]"),  # positional arguments
+    (parse_pythonic, "[weather(city=__import__('os').getcwd())]"),  # not a literal: never run
+    (parse_pythonic, "[weather(**kwargs)]"),
+    (parse_pythonic, "[weather(city=b'Paris')]"),  # bytes are not JSON
+    (parse_pythonic, "[weather(city={'a', 'b'})]"),  # nor are sets
+    (parse_pythonic, "[os.system(cmd='ls')]"),  # an attribute, not a function name
+    (parse_pythonic, "[weather(city='Paris')"),  # cut by max_tokens
+    (parse_pythonic, "[]"),
+    (parse_pythonic, "[" * 5000 + "]" * 5000),  # too deep for the parser: content, not a crash
+]
+
+
+@pytest.mark.parametrize("parse, text, calls", CALLS)
+def test_a_parser_reads_a_whole_reply_of_calls(parse, text, calls):
+    content, parsed = parse(text)
     assert content is None
     assert [(name, json.loads(arguments)) for name, arguments in parsed] == calls
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        "Paris is sunny.",
-        'Sure: {"name": "weather", "parameters": {}}',  # a call inside text is content
-        '{"name": "weather", "parameters": {}} and more',
-        '{"name": "weather", "parameters": {"city": "Par',  # cut by max_tokens
-        '{"parameters": {}}',
-        "[1, 2]",
-    ],
-)
-def test_llama3_json_leaves_anything_else_as_content(text):
-    assert parse_llama3_json(text) == (text, [])
-
-
-@pytest.mark.parametrize(
-    "text, calls",
-    [
-        ("[weather(city='Paris', days=3)]", [("weather", WEATHER)]),
-        (
-            '<|python_start|>[weather(city="Paris", days=3), now()]<|python_end|>',
-            [("weather", WEATHER), ("now", {})],
-        ),
-        (
-            "[f(a=[1, {'b': None}], c=True, d=-2.5)]",
-            [("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})],
-        ),
-    ],
-)
-def test_pythonic_reads_a_list_of_calls_with_literal_arguments(text, calls):
-    content, parsed = parse_pythonic(text)
-    assert content is None
-    assert [(name, json.loads(arguments)) for name, arguments in parsed] == calls
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "It is sunny in Paris.",
-        "[weather('Paris')]",  # positional arguments
-        "[weather(city=__import__('os').getcwd())]",  # not a literal: never evaluated
-        "[weather(**kwargs)]",
-        "[weather(city=b'Paris')]",  # bytes are not JSON
-        "[weather(city={'a', 'b'})]",  # nor are sets
-        "[os.system(cmd='ls')]",  # an attribute, not a function name
-        "[weather(city='Paris')",  # cut by max_tokens
-        "[]",
-        "[" * 5000 + "]" * 5000,  # too deep for the parser: content, not a crash
-    ],
-)
-def test_pythonic_leaves_anything_else_as_content(text):
-    assert parse_pythonic(text) == (text, [])
+@pytest.mark.parametrize("parse, text", NOT_CALLS)
+def test_a_parser_leaves_anything_else_as_content(parse, text):
+    assert parse(text) == (text, [])
 
 
 TOOLS = [
