@@ -11,6 +11,7 @@ import json
 import httpx
 
 from tests.entrypoints.openai.test_api_server import FakeClient
+from tests.timeouts import scaled
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.metrics import ServerMetrics
@@ -33,7 +34,14 @@ def scripted_chat(
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
             sent = asyncio.create_task(http.post("/v1/chat/completions", json=request | body))
-            (added,) = await client.wait_added(1)
+            adding = asyncio.create_task(client.wait_added(1))
+            # A request refused before it reaches the engine is answered without an add.
+            await asyncio.wait([sent, adding], return_when=asyncio.FIRST_COMPLETED)
+            if not adding.done():
+                adding.cancel()
+                await engine.stop()
+                return await sent
+            (added,) = adding.result()
             for token_id in tokenizer.encode(reply):
                 client.push(added.request_id, [token_id])
             client.push(added.request_id, [tokenizer.eos_token_id], "stop")
@@ -41,7 +49,7 @@ def scripted_chat(
         await engine.stop()
         return response
 
-    return asyncio.run(scenario())
+    return asyncio.run(asyncio.wait_for(scenario(), scaled(60)))
 
 
 def stream_deltas(response: httpx.Response) -> list[dict]:

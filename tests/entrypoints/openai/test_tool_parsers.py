@@ -175,3 +175,8 @@ def test_streamed_content_goes_out_before_the_reply_ends(tokenizer, parser, repl
     if called:  # the content went out before the calls
         first_call = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
         assert all(not d.get("content") for d in deltas[first_call:])
+
+
+def test_auto_without_a_parser_is_refused_before_the_engine(tokenizer):
+    response = scripted_chat(tokenizer, ServingOptions(), "unused", False, tools=TOOLS)
+    assert response.status_code == 400 and "--tool-call-parser" in response.text
