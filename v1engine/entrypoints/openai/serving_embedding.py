@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -41,18 +42,38 @@ class OpenAIServingEmbedding(OpenAIServing):
         self, request: EmbeddingRequest, raw_request: Request
     ) -> JSONResponse:
         """Raises APIError (400, 404, 503) before anything is computed."""
+        request_id, embedded = await self.embed(
+            request, raw_request, "embd", lambda: self._tokenize(request), "input"
+        )
+        response = _response(request_id, self.model_name, embedded, request.encoding_format)
+        return JSONResponse(response.model_dump())
+
+    async def embed(
+        self,
+        request: Any,
+        raw_request: Request,
+        prefix: str,
+        tokenize: Callable[[], list[list[int]]],
+        param: str,
+    ) -> tuple[str, list[EmbeddingRequestOutput]]:
+        """What every pooling endpoint does: checks the request (model, runner, priority, id,
+        pooling params), tokenizes it in a thread (`tokenize`: one token-id list per input),
+        adds one engine request per input named f"{prefix}-..." (a refused one is a 400 naming
+        `param`) and returns the request's id and each input's embedding, in order.
+
+        Raises:
+            APIError: 400, 404, 503 as `add_requests`; 500 for an input the engine ended
+                without an embedding.
+        """
         self.check_model_and_runner(request, "pooling")
         self.check_priority(request.priority)
         client_id = client_request_id(request, raw_request)
-        params = pooling_params(request)
-        tokenized = await asyncio.to_thread(self._tokenize, request)
-        engine_inputs = [EngineInput(None, ids, params, request.priority) for ids in tokenized]
-        request_id, runs = await self.add_requests(
-            "embd", client_id, engine_inputs, "final", "input"
-        )
+        params = _pooling_params(request)
+        token_ids = await asyncio.to_thread(tokenize)
+        inputs = [EngineInput(None, ids, params, request.priority) for ids in token_ids]
+        request_id, runs = await self.add_requests(prefix, client_id, inputs, "final", param)
         finals = await self.wait_for_final_outputs(runs, raw_request)
-        response = _response(request_id, self.model_name, finals, request.encoding_format)
-        return JSONResponse(response.model_dump())
+        return request_id, [_embedding_of(final, index) for index, final in enumerate(finals)]
 
     def _tokenize(self, request: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids (the chat form's one)."""
@@ -68,7 +89,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         ]
 
 
-def pooling_params(request: Any) -> PoolingParams:
+def _pooling_params(request: Any) -> PoolingParams:
     """The request's PoolingParams (its `dimensions`, `normalize`, `truncate_prompt_tokens`,
     those it has). Raises APIError 400 naming the field at fault."""
     try:
@@ -81,7 +102,7 @@ def pooling_params(request: Any) -> PoolingParams:
         raise APIError.bad_request(e) from e
 
 
-def embedding_of(
+def _embedding_of(
     final: EmbeddingRequestOutput | RequestOutput, index: int
 ) -> EmbeddingRequestOutput:
     """Input `index`'s embedding. Raises APIError 500 where the engine ended it without one
@@ -105,15 +126,15 @@ def _split_inputs(inputs: str | list) -> list[str | list[int]]:
 def _response(
     request_id: str,
     model_name: str,
-    finals: list[EmbeddingRequestOutput | RequestOutput],
+    embedded: list[EmbeddingRequestOutput],
     encoding_format: str,
 ) -> EmbeddingResponse:
     data = []
-    for index, final in enumerate(finals):
-        embedding: list[float] | str = embedding_of(final, index).outputs.embedding
+    for index, output in enumerate(embedded):
+        embedding: list[float] | str = output.outputs.embedding
         if encoding_format == "base64":
             embedding = base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
         data.append(EmbeddingData(index=index, embedding=embedding))
-    num_tokens = sum(len(final.prompt_token_ids) for final in finals)
+    num_tokens = sum(len(output.prompt_token_ids) for output in embedded)
     usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
     return EmbeddingResponse(id=request_id, model=model_name, data=data, usage=usage)

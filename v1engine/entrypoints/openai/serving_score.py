@@ -9,8 +9,6 @@ both texts' tokens per pair, as vLLM does.
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -27,16 +25,11 @@ from v1engine.entrypoints.openai.protocol_score import (
     ScoreRequest,
     ScoreResponse,
 )
-from v1engine.entrypoints.openai.serving_embedding import embedding_of, pooling_params
-from v1engine.entrypoints.openai.serving_engine import (
-    EngineInput,
-    OpenAIServing,
-    client_request_id,
-)
+from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.outputs import ScoringRequestOutput
 
 
-class OpenAIServingScore(OpenAIServing):
+class OpenAIServingScore(OpenAIServingEmbedding):
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> JSONResponse:
         """Raises APIError (400, 404, 503) before anything is computed."""
         try:
@@ -85,16 +78,8 @@ class OpenAIServingScore(OpenAIServing):
     ) -> tuple[str, list[ScoringRequestOutput]]:
         """Embeds each distinct text of the pairs once; returns the request's id and each
         pair's score."""
-        self.check_model_and_runner(request, "pooling")
-        self.check_priority(request.priority)
-        client_id = client_request_id(request, raw_request)
-        params = pooling_params(request)
         texts = distinct_texts(pairs)
-        token_ids = await asyncio.to_thread(lambda: [self.tokenizer.encode(t) for t in texts])
-        inputs = [EngineInput(None, ids, params, request.priority) for ids in token_ids]
-        request_id, runs = await self.add_requests(prefix, client_id, inputs, "final", "text")
-        finals = await self.wait_for_final_outputs(runs, raw_request)
-        embedded = {
-            text: embedding_of(final, i) for i, (text, final) in enumerate(zip(texts, finals))
-        }
-        return request_id, score_outputs(pairs, embedded)
+        request_id, embedded = await self.embed(
+            request, raw_request, prefix, lambda: [self.tokenizer.encode(t) for t in texts], "text"
+        )
+        return request_id, score_outputs(pairs, dict(zip(texts, embedded)))
