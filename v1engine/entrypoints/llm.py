@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from v1engine.core.engine_core import EngineCore
+    from v1engine.request import EngineCoreRequest
 
 logger = init_logger(__name__)
 
@@ -100,18 +101,17 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _as_params_list(sampling_params, len(prompts))
-        if priority is None:
-            priority = [0] * len(prompts)
-        elif len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        request_ids = self._add_requests(prompts, params, priority)
-        try:
-            outputs = self._run_engine(len(request_ids), use_tqdm)
-        except BaseException:  # Ctrl-C included: no request of this call outlives it
-            self._abort(request_ids)
-            raise
-        return [outputs[request_id] for request_id in request_ids]
+        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
+        priorities = _per_prompt(priority or 0, int, len(prompts), "priorities")
+
+        def process(
+            request_id: str, index: int, text: str | None, token_ids: list[int]
+        ) -> list[EngineCoreRequest]:
+            return self.processor.process(
+                request_id, text, token_ids, params[index], "final", priorities[index]
+            )
+
+        return self._run(prompts, process, use_tqdm, "Generating")
 
     def chat(
         self,
@@ -202,28 +202,21 @@ class LLM:
                 is left running.
         """
         prompts = _as_prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
-        elif len(pooling_params) != len(prompts):
-            raise ValueError(f"got {len(pooling_params)} pooling params for {len(prompts)} prompts")
+        params = _per_prompt(
+            pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling params"
+        )
         if truncate_prompt_tokens is not None:
-            pooling_params = [
-                dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
-                for params in pooling_params
+            params = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params
             ]
-        request_ids: list[str] = []
-        try:
-            for prompt, params in zip(prompts, pooling_params):
-                request_id = str(next(self._request_ids))
-                token_ids = self.processor.tokenize(prompt)[1]
-                request = self.processor.process_pooling(request_id, token_ids, params)
-                request_ids.append(request_id)
-                self.client.add_request(request)
-            outputs = self._run_engine(len(request_ids), use_tqdm, "Embedding")
-        except BaseException:
-            self._abort(request_ids)
-            raise
-        return [_embedding(outputs[request_id]) for request_id in request_ids]
+
+        def process(
+            request_id: str, index: int, text: str | None, token_ids: list[int]
+        ) -> list[EngineCoreRequest]:
+            return [self.processor.process_pooling(request_id, token_ids, params[index])]
+
+        return [_embedding(output) for output in self._run(prompts, process, use_tqdm, "Embedding")]
 
     def score(
         self,
@@ -272,39 +265,40 @@ class LLM:
         return self.client.reset_prefix_cache()
 
     # -- steps ---------------------------------------------------------------------------------
-    def _add_requests(
+    def _run(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
-        priorities: Sequence[int],
-    ) -> list[str]:
-        parent_ids: list[str] = []
+        process: Callable[[str, int, str | None, list[int]], list[EngineCoreRequest]],
+        use_tqdm: bool,
+        desc: str,
+    ) -> list[Any]:
+        """Adds each prompt's core requests (`process(request_id, index, text, token_ids)`,
+        the processor's), runs the engine until all finish and returns their final outputs in
+        prompt order. A bad prompt, or an interruption (Ctrl-C included), aborts every request
+        of the call: none outlives it."""
+        request_ids: list[str] = []
         try:
-            for prompt, sampling_params, priority in zip(prompts, params, priorities):
+            for index, prompt in enumerate(prompts):
                 text, token_ids = self.processor.tokenize(prompt)
-                parent_id = str(next(self._request_ids))
-                parent_ids.append(parent_id)
-                requests = self.processor.process(
-                    parent_id, text, token_ids, sampling_params, "final", priority
-                )
-                for request in requests:
+                request_id = str(next(self._request_ids))
+                request_ids.append(request_id)
+                for request in process(request_id, index, text, token_ids):
                     try:
                         self.client.add_request(request)
                     except ValueError as e:
-                        raise as_parent_error(e, request.request_id, parent_id) from e
+                        raise as_parent_error(e, request.request_id, request_id) from e
+            outputs = self._run_engine(len(request_ids), use_tqdm, desc)
         except BaseException:
-            self._abort(parent_ids)
+            self._abort(request_ids)
             raise
-        return parent_ids
+        return [outputs[request_id] for request_id in request_ids]
 
     def _abort(self, parent_ids: list[str]) -> None:
         core_ids = self.processor.abort(parent_ids)
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
             self.client.abort_requests(core_ids)
 
-    def _run_engine(
-        self, num_requests: int, use_tqdm: bool, desc: str = "Generating"
-    ) -> dict[str, Any]:
+    def _run_engine(self, num_requests: int, use_tqdm: bool, desc: str) -> dict[str, Any]:
         """Each request's final output (a RequestOutput, or an EmbeddingRequestOutput), by id."""
         finished: dict[str, Any] = {}
         with tqdm(total=num_requests, desc=desc, disable=not use_tqdm) as bar:
@@ -345,11 +339,11 @@ def _embedding(output: EmbeddingRequestOutput | RequestOutput) -> EmbeddingReque
     raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without an embedding")
 
 
-def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams], num_prompts: int
-) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * num_prompts
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
-    return list(params)
+def _per_prompt(values: Any, single: type, num_prompts: int, what: str) -> list[Any]:
+    """One value per prompt: `values` repeated when it is one `single`, else the list, which
+    must hold one per prompt."""
+    if isinstance(values, single):
+        return [values] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts")
+    return list(values)
