@@ -100,6 +100,13 @@ CASES = [
     ("unknown role", CHAT, {"messages": [{"role": "wizard"}]}, "messages", "role", "'user'"),
     ("image content part", CHAT, {"messages": _IMAGE}, "messages", "text content parts"),
     ("best_of", C, {"best_of": 5}, "best_of", "best_of is not supported"),
+    (
+        "include_reasoning without a parser",
+        CHAT,
+        {"include_reasoning": False},
+        "include_reasoning",
+        "--reasoning-parser",
+    ),
     ("an empty prompt in a batch", C, {"prompt": ["a", ""]}, "prompt", "prompt 1 of the batch"),
     # Wrong JSON types, one main field each.
     ("prompt: int", C, {"prompt": 5}, "prompt", "valid string"),

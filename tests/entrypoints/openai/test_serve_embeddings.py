@@ -123,6 +123,8 @@ def test_the_chat_form_embeds_the_rendered_conversation(server, tokenizer, hf_mo
         ({"priority": 3}, "priority", "--scheduling-policy priority"),
         ({"messages": [{"role": "user", "content": "x"}]}, "input", "got both"),
         ({"input": None}, "input", "got neither"),
+        ({"add_generation_prompt": True}, "add_generation_prompt", "`messages` only"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "`messages` only"),
     ],
 )
 def test_bad_embedding_requests_get_a_400_naming_the_field(server, fields, param, words):

@@ -68,6 +68,12 @@ class OpenAIServingChat(OpenAIServing):
         """Raises APIError (400, 404, 503) before anything is generated."""
         self.check_request(request)
         client_id = client_request_id(request, raw_request)
+        if not request.include_reasoning and self.options.reasoning_parser is None:
+            raise APIError(
+                "include_reasoning: false needs a server started with --reasoning-parser "
+                "(without one the thinking is part of the content)",
+                param="include_reasoning",
+            )
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")

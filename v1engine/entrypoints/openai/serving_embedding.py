@@ -80,6 +80,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         require_one_form(request, "input", "texts or token ids", "embed")
         if request.messages is not None:
             return [render_messages(self.engine.processor, request, self.options.chat_template)[1]]
+        for name in _CHAT_FORM_FIELDS:  # they shape a template that `input` does not go through
+            if getattr(request, name) != EmbeddingRequest.model_fields[name].default:
+                raise APIError(f"{name} applies to `messages` only, not to `input`", param=name)
         add_special_tokens = request.add_special_tokens is not False
         return [
             self.tokenizer.encode(x, add_special_tokens=add_special_tokens)
@@ -87,6 +90,14 @@ class OpenAIServingEmbedding(OpenAIServing):
             else x
             for x in _split_inputs(request.input)
         ]
+
+
+_CHAT_FORM_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+)
 
 
 def _pooling_params(request: Any) -> PoolingParams:
