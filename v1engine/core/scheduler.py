@@ -242,9 +242,10 @@ class Scheduler:
     def _check_grammars(self) -> None:
         """Requests whose grammar compiled become WAITING; a failed or timed-out compile
         finishes its request with "error" (reported by the next update_from_output)."""
-        if self.structured_output_manager is None:
+        compiling = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
+        if not compiling:
             return
-        for request in self.structured_output_manager.update_waiting(self.waiting):
+        for request in self.structured_output_manager.update_waiting(compiling):
             self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
             self.grammar_error_outputs.append(
                 EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)

@@ -4,9 +4,10 @@ A request with `SamplingParams.structured_outputs` goes through these states:
 1. `grammar_init` (when the scheduler queues it): its grammar is submitted to the backend's thread
    pool (a cached grammar is ready at once) and the request waits as WAITING_FOR_FSM, which the
    scheduler skips without holding up the queue behind it.
-2. `update_waiting` (each schedule): once compiled, the request gets its own matcher (n > 1
-   children each have one) and becomes WAITING. A compile that failed or ran past the time-out
-   raises ValueError, and the scheduler finishes the request with "error".
+2. `update_waiting` (each schedule that has requests still compiling): once compiled, the
+   request gets its own matcher (n > 1 children each have one) and becomes WAITING. A compile
+   that failed or ran past the time-out raises ValueError, and the scheduler finishes the
+   request with "error".
 3. `grammar_bitmask` (each step): for the structured requests that sample this step, one packed
    int32 row each of the tokens their matcher allows next; it travels in the SchedulerOutput and
    the sampling rank masks the logits with it.
@@ -107,11 +108,12 @@ class StructuredOutputManager:
         )
         request.status = RequestStatus.WAITING_FOR_FSM
 
-    def update_waiting(self, waiting: Iterable[Request]) -> list[Request]:
-        """Makes the waiting requests whose grammar compiled WAITING; returns those whose
-        compile failed or ran past the time-out (logged here), for the scheduler to finish."""
+    def update_waiting(self, compiling: Iterable[Request]) -> list[Request]:
+        """Makes the requests (WAITING_FOR_FSM) whose grammar compiled WAITING; returns those
+        whose compile failed or ran past the time-out (logged here), for the scheduler to
+        finish."""
         failed = []
-        for request in [r for r in waiting if r.status == RequestStatus.WAITING_FOR_FSM]:
+        for request in compiling:
             try:
                 if self._is_grammar_ready(request):
                     request.status = RequestStatus.WAITING

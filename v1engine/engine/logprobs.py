@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from v1engine.outputs import Logprob, LogprobsLists
-from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from v1engine.engine.output_processor import OutputKind
@@ -35,10 +34,6 @@ class PromptLogprobs:
         return self.entries
 
 
-def new_prompt_logprobs(sampling_params: SamplingParams) -> PromptLogprobs | None:
-    return None if sampling_params.prompt_logprobs is None else PromptLogprobs()
-
-
 def logprob_dicts(rows: LogprobsLists, decode_token: TokenDecoder) -> list[dict[int, Logprob]]:
     # Row i: column 0 is the sampled (or scored prompt) token with its rank, then the top-k by
     # rank; a token in both keeps its top-k entry.
@@ -54,9 +49,3 @@ def logprob_dicts(rows: LogprobsLists, decode_token: TokenDecoder) -> list[dict[
             }
         )
     return dicts
-
-
-def prompt_logprobs_for_output(
-    prompt_logprobs: PromptLogprobs | None, output_kind: OutputKind
-) -> list[dict[int, Logprob] | None] | None:
-    return None if prompt_logprobs is None else prompt_logprobs.for_output(output_kind)

@@ -31,12 +31,7 @@ from v1engine.engine.detokenizer import (
     find_stop_string,
     partial_stop_len,
 )
-from v1engine.engine.logprobs import (
-    TokenDecoder,
-    logprob_dicts,
-    new_prompt_logprobs,
-    prompt_logprobs_for_output,
-)
+from v1engine.engine.logprobs import PromptLogprobs, TokenDecoder, logprob_dicts
 from v1engine.engine.pooling_state import PoolingState
 from v1engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from v1engine.pooling_params import PoolingParams
@@ -74,7 +69,7 @@ class RequestState:
         self.index = index
         # A child shares its parent's: only child 0 gets prompt logprobs from the core.
         self.prompt_logprobs = (
-            new_prompt_logprobs(sampling_params) if parent is None else parent.prompt_logprobs
+            _new_prompt_logprobs(sampling_params) if parent is None else parent.prompt_logprobs
         )
         self.stop = sampling_params.stop
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
@@ -189,7 +184,7 @@ class ParentState:
         self.prompt_token_ids = prompt_token_ids
         self.num_children = sampling_params.n
         self.output_kind = output_kind
-        self.prompt_logprobs = new_prompt_logprobs(sampling_params)
+        self.prompt_logprobs = _new_prompt_logprobs(sampling_params)
         self.child_ids: dict[int, str] = {}  # index -> child request id, as registered
         self.latest: dict[int, CompletionOutput] = {}  # cumulative/final: last output per child
         self.num_finished = 0
@@ -215,7 +210,7 @@ class ParentState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=sorted(outputs, key=lambda completion: completion.index),
             finished=self.finished,
-            prompt_logprobs=prompt_logprobs_for_output(self.prompt_logprobs, self.output_kind),
+            prompt_logprobs=_prompt_logprobs_now(self),
             num_cached_tokens=self.num_cached_tokens,
         )
 
@@ -384,6 +379,21 @@ def _make_request_output(state: RequestState, completion: CompletionOutput) -> R
         prompt_token_ids=state.prompt_token_ids,
         outputs=[completion],
         finished=state.finished,
-        prompt_logprobs=prompt_logprobs_for_output(state.prompt_logprobs, state.output_kind),
+        prompt_logprobs=_prompt_logprobs_now(state),
         num_cached_tokens=state.num_cached_tokens,
     )
+
+
+# These two stay here, not in logprobs.py, so that a request without prompt logprobs never
+# enters that module.
+def _new_prompt_logprobs(sampling_params: SamplingParams) -> PromptLogprobs | None:
+    return None if sampling_params.prompt_logprobs is None else PromptLogprobs()
+
+
+def _prompt_logprobs_now(
+    state: RequestState | ParentState,
+) -> list[dict[int, Logprob] | None] | None:
+    """What a RequestOutput carries now (see PromptLogprobs.for_output)."""
+    if state.prompt_logprobs is None:
+        return None
+    return state.prompt_logprobs.for_output(state.output_kind)

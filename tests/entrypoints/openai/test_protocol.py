@@ -165,7 +165,6 @@ def test_prompt_logprobs_field_has_vllms_shape():
         "7": {"logprob": -1.25, "rank": 2, "decoded_token": "x"},
         "3": {"logprob": -0.5, "rank": 1, "decoded_token": "y"},
     }
-    assert prompt_logprobs_field(None) is None
 
 
 # -- merging a batch's streams --------------------------------------------------------------------

@@ -93,6 +93,10 @@ def test_prompt_logprobs_extra_on_completions_and_chat(client, tokenizer):
     )
     assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens
     assert chat.prompt_logprobs[0] is None and all(len(e) == 1 for e in chat.prompt_logprobs[1:])
+    # Without the field, both answer a null one.
+    assert _complete(client, PROMPT, max_tokens=1).choices[0].prompt_logprobs is None
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert plain.prompt_logprobs is None
 
 
 # -- batched prompts -------------------------------------------------------------------------------

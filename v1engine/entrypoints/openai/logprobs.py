@@ -86,12 +86,8 @@ def completion_logprobs(rows: list[LogprobRow], text_offset: int) -> CompletionL
     return result
 
 
-def prompt_logprobs_field(
-    prompt_logprobs: list[dict[int, Logprob] | None] | None,
-) -> PromptLogprobs | None:
-    """vLLM's `prompt_logprobs` response field."""
-    if prompt_logprobs is None:
-        return None
+def prompt_logprobs_field(prompt_logprobs: list[dict[int, Logprob] | None]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` response field (callers skip the call when there are none)."""
     return [
         None
         if row is None

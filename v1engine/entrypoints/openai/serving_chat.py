@@ -51,8 +51,8 @@ from v1engine.entrypoints.openai.serving_outputs import (
 from v1engine.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolMode,
+    decoded_tool_call,
     parse_tool_calls,
-    template_message_tool_fields,
     template_tools,
     tool_call_deltas,
     tool_mode,
@@ -77,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
-        mode = tool_mode(request, self.options)
+        mode = tool_mode(request, self.options) if request.tools or request.tool_choice else None
         if mode is not None and request.stream and request.logprobs:
             # Tool calls stream whole when their choice ends; their tokens' logprobs would be lost.
             raise APIError(
@@ -106,8 +106,9 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name,
             choices=choices,
             usage=usage,
-            prompt_logprobs=prompt_logprobs_field(final.prompt_logprobs),
         )
+        if final.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_field(final.prompt_logprobs)
         return JSONResponse(response.model_dump())
 
     def _plan_reasoning(
@@ -289,7 +290,7 @@ def render_messages(
             continue_final_message=request.continue_final_message,
             add_special_tokens=bool(request.add_special_tokens),  # /tokenize's None: False
             chat_template_kwargs=request.chat_template_kwargs,
-            tools=template_tools(request.tools),
+            tools=None if request.tools is None else template_tools(request.tools),
             chat_template=chat_template,
         )
     except ValueError as e:
@@ -312,7 +313,12 @@ def _as_template_message(message: ChatMessage) -> dict[str, Any]:
     thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
     if thinking is not None:  # under both names: templates read `reasoning_content` (Qwen3's)
         fields.update(reasoning=thinking, reasoning_content=thinking)
-    return {**fields, **template_message_tool_fields(message)}
+    if message.tool_calls is not None:  # arguments decoded: templates iterate them as objects
+        fields["tool_calls"] = [decoded_tool_call(call) for call in message.tool_calls]
+    for name in ("tool_call_id", "name"):
+        if getattr(message, name) is not None:
+            fields[name] = getattr(message, name)
+    return fields
 
 
 def _stream_choice(

@@ -105,7 +105,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, usages = [], []
         for prompt_index, final in enumerate(finals):
             echo = self._echo(final, final.prompt_logprobs, request)
-            plp = prompt_logprobs_field(final.prompt_logprobs)
+            plp = final.prompt_logprobs
+            plp = None if plp is None else prompt_logprobs_field(plp)
             for completion in final.outputs:
                 choice = self._choice(completion, prompt_index, request, echo, 0)
                 choice.prompt_logprobs = plp

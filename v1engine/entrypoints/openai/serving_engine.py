@@ -32,6 +32,7 @@ from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import (
+    CONSTRAINT_FIELDS,
     Constraint,
     in_request_terms,
     request_constraint,
@@ -184,6 +185,8 @@ class OpenAIServing:
         Raises:
             APIError: 400 for more than one constraint or an invalid one.
         """
+        if tools is None and all(getattr(request, name) is None for name in CONSTRAINT_FIELDS):
+            return None
         constraint = request_constraint(request, self.options, tools)
         if constraint is None:
             return None

@@ -21,6 +21,8 @@ Constraint = tuple[str, dict[str, Any]]
 _GUIDED_KINDS = ("json", "regex", "choice", "grammar")
 _BACKENDS = ("xgrammar", "auto")
 _FIELDS = {f.name for f in fields(StructuredOutputsParams)}
+# The request fields this module reads: a request that sets none of them has no constraint.
+CONSTRAINT_FIELDS = tuple(StructuredFields.model_fields)
 _KIND_NAME = re.compile(rf"StructuredOutputsParams\.(?:{'|'.join(KINDS)})\b")
 
 

@@ -163,25 +163,14 @@ def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
     return deltas
 
 
-def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
     """The tools as the chat template's `tools` variable."""
-    return None if tools is None else [tool.model_dump(exclude_none=True) for tool in tools]
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
-def template_message_tool_fields(message: Any) -> dict[str, Any]:
-    """An assistant's `tool_calls` (arguments decoded to objects, as chat templates iterate
-    them) and a tool message's `tool_call_id`, for the chat template."""
-    fields: dict[str, Any] = {}
-    if message.tool_calls is not None:
-        fields["tool_calls"] = [_decoded_call(call) for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        fields["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        fields["name"] = message.name
-    return fields
-
-
-def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
+def decoded_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier assistant turn's tool call with its JSON arguments decoded to an object, as
+    chat templates iterate them (left as sent when they are not JSON)."""
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call

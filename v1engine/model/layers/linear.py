@@ -351,7 +351,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """[num_tokens, hidden_size] -> [num_tokens, vocab_size] float32, on every rank."""
         # [num_tokens, num_embeddings_per_rank]
         logits = linear(hidden_states, self.weight, packed=self.packed_weight)
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        if self.num_embeddings_per_rank != self.num_embeddings_padded:  # split over ranks
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.num_embeddings].float()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
