@@ -41,8 +41,8 @@ from _bench_utils import cpu_machine_info
 from v1engine.kv_cache_interface import FullAttentionSpec
 from v1engine.model.layers import cpu_attention_backend, cpu_kernels
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
-from v1engine.worker.input_batch import BlockTable
 from v1engine.worker.model_inputs import build_common_attn_metadata, step_layout
+from v1engine.worker.request_states import BlockTable
 
 BLOCK_SIZE = 16
 DEFAULT_CASES = ["0+144x13", "0+256x4", "0+512x1", "0+1024x1", "0+2048x1", "1024+512x1"]

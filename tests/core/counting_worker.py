@@ -21,8 +21,7 @@ from v1engine.config import (
 )
 from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
-from v1engine.worker.input_batch import InputBatch
-from v1engine.worker.request_states import RequestStates
+from v1engine.worker.request_states import InputBatch, RequestStates
 from v1engine.worker.worker_base import WorkerBase
 
 VOCAB_SIZE = 50

@@ -22,8 +22,7 @@ from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCach
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import EngineCoreOutput, Request
 from v1engine.sampling_params import SamplingParams
-from v1engine.worker.input_batch import InputBatch
-from v1engine.worker.request_states import RequestStates
+from v1engine.worker.request_states import InputBatch, RequestStates
 
 VOCAB_SIZE = 97
 EOS_TOKEN_ID = 2

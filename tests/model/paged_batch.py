@@ -17,8 +17,8 @@ from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers.attention import Attention
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
-from v1engine.worker.input_batch import BlockTable
 from v1engine.worker.model_inputs import build_common_attn_metadata, step_layout
+from v1engine.worker.request_states import BlockTable
 
 # Written into every block table entry a request does not use: backends must never read it.
 GARBAGE_BLOCK_ID = 10**6

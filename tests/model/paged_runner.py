@@ -19,14 +19,17 @@ from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
 from v1engine.core.scheduler import Scheduler
 from v1engine.kv_cache_interface import KVCacheConfig
-from v1engine.model.layers.attention import get_attention_layers, set_forward_context
-from v1engine.model.layers.attention_backend import get_default_attention_backend
+from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.attention_backend import (
+    get_default_attention_backend,
+    set_forward_context,
+)
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import Request
 from v1engine.sampling_params import SamplingParams
-from v1engine.worker.input_batch import CachedRequestState, InputBatch
 from v1engine.worker.kv_cache import allocate_kv_caches, bind_kv_caches, kv_cache_group_specs
 from v1engine.worker.model_inputs import build_model_inputs
+from v1engine.worker.request_states import CachedRequestState, InputBatch
 
 
 class _PagedModel:

@@ -8,10 +8,11 @@ import torch
 from tests.model.paged_batch import BlockAllocator, attention_spec, build_metadata
 from v1engine.model import parallel_state
 from v1engine.model.layers import cpu_kernels, linear
-from v1engine.model.layers.attention import Attention, set_forward_context
+from v1engine.model.layers.attention import Attention
 from v1engine.model.layers.attention_backend import (
     get_attention_backend,
     get_default_attention_backend,
+    set_forward_context,
 )
 from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend
 from v1engine.model.layers.layernorm import RMSNorm

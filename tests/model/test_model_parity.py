@@ -13,7 +13,8 @@ import torch
 from tests.model.checkpoints import CHECKPOINT_PRESETS, load_hf_model, make_checkpoint
 from tests.model.paged_runner import generate_paged, hf_reference
 from v1engine.model.hf_config import load_hf_config
-from v1engine.model.layers.attention import get_attention_layers, set_forward_context
+from v1engine.model.layers.attention import get_attention_layers
+from v1engine.model.layers.attention_backend import set_forward_context
 from v1engine.model.loader import load_model
 
 ATOL = 1e-4

@@ -12,8 +12,8 @@ import torch
 from v1engine.model.layers.linear import ParallelLMHead
 from v1engine.outputs import NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
-from v1engine.worker.input_batch import CachedRequestState, InputBatch
 from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
+from v1engine.worker.request_states import CachedRequestState, InputBatch
 
 VOCAB_SIZE, HIDDEN_SIZE = 131, 16
 CPU = torch.device("cpu")

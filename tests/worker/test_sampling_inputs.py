@@ -8,12 +8,12 @@ import dataclasses
 import torch
 
 from v1engine.sampling_params import SamplingParams
-from v1engine.worker.input_batch import CachedRequestState
 from v1engine.worker.model_inputs import (
     banned_token_ids,
     build_sampling_metadata,
     dummy_sampling_metadata,
 )
+from v1engine.worker.request_states import CachedRequestState
 
 _VOCAB = 50
 _EOS = 2

@@ -31,8 +31,11 @@ import torch
 
 from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.logger import init_logger
-from v1engine.model.layers.attention import set_forward_context
-from v1engine.model.layers.attention_backend import AttentionBackend, CommonAttentionMetadata
+from v1engine.model.layers.attention_backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    set_forward_context,
+)
 from v1engine.utils import cdiv
 from v1engine.worker.model_inputs import ModelInputs
 

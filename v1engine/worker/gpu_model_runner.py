@@ -31,8 +31,12 @@ from v1engine.config import EngineConfig
 from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
-from v1engine.model.layers.attention import Attention, get_attention_layers, set_forward_context
-from v1engine.model.layers.attention_backend import AttentionBackend, get_default_attention_backend
+from v1engine.model.layers.attention import Attention, get_attention_layers
+from v1engine.model.layers.attention_backend import (
+    AttentionBackend,
+    get_default_attention_backend,
+    set_forward_context,
+)
 from v1engine.model.layers.greedy_screen import GreedyScreen
 from v1engine.model.layers.linear import packed_weight_bytes
 from v1engine.model.layers.sampler import Sampler
@@ -42,7 +46,6 @@ from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes, cdiv
 from v1engine.worker.cuda_graphs import DecodeCudaGraphs
-from v1engine.worker.input_batch import InputBatch
 from v1engine.worker.kv_cache import (
     allocate_kv_caches,
     bind_kv_caches,
@@ -59,7 +62,7 @@ from v1engine.worker.model_inputs import (
     to_logprobs_lists,
 )
 from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
-from v1engine.worker.request_states import RequestStates
+from v1engine.worker.request_states import InputBatch, RequestStates
 
 logger = init_logger(__name__)
 
@@ -79,6 +82,7 @@ class GPUModelRunner:
         self.hf_config = hf_config
         self.device = device
         self.is_driver = is_driver
+        self.tp_size = config.parallel_config.world_size
         model_config, cache_config = config.model_config, config.cache_config
         self.dtype = resolve_dtype(hf_config, model_config.dtype, device.type)
         cache_dtype = cache_config.cache_dtype
@@ -348,7 +352,8 @@ class GPUModelRunner:
             token_ids = torch.empty(
                 len(inputs.sampling_rows), dtype=torch.int64, device=self.device
             )
-        token_ids = broadcast_from_driver(token_ids)
+        if self.tp_size > 1:
+            token_ids = broadcast_from_driver(token_ids)
         for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
             sampled[row] = [token_id]
         return sampled, logprobs

@@ -25,7 +25,7 @@ from v1engine.model.layers.sampling_metadata import SamplingMetadata
 from v1engine.outputs import LogprobsLists, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.utils import cdiv
-from v1engine.worker.input_batch import BlockTable, CachedRequestState, InputBatch
+from v1engine.worker.request_states import BlockTable, CachedRequestState, InputBatch
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 
 from v1engine.model.layers.sampler import LogprobsTensors, gather_logprobs
 from v1engine.outputs import LogprobsLists, SchedulerOutput
-from v1engine.worker.input_batch import InputBatch
+from v1engine.worker.request_states import InputBatch
 
 # Rows of logits per LM-head call: 256 x vocab fp32 plus its log_softmax stays well under what
 # the profiling run's sampler holds for max_num_seqs rows (sort, penalties, probabilities).

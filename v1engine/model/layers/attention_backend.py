@@ -1,4 +1,5 @@
-"""The attention-backend seam: what every backend reads, the protocol it implements, the registry.
+"""The attention-backend seam: what every backend reads, the protocol it implements, the registry,
+and the forward context that carries a step's backend and metadata to the layers.
 
 The model runner picks one backend per process (`get_default_attention_backend`) and asks it
 once per step and KV cache group to turn the group's `CommonAttentionMetadata` into its own
@@ -19,8 +20,10 @@ visible to a query at position p iff `k <= p` and, with a sliding window W, `p -
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -147,3 +150,43 @@ def get_default_attention_backend(device_type: str) -> AttentionBackend:
     if device_type == "cpu" and cpu_kernels.available():  # builds them on first use
         return get_attention_backend("cpu")
     return get_attention_backend("torch")
+
+
+# -- the forward context ---------------------------------------------------------------------------
+# The per-step context attention layers read, so the model's forward stays (input_ids, positions).
+#
+# The runner wraps each forward in `set_forward_context(...)`; every `Attention` layer reads it
+# through `get_forward_context()` and takes entry `kv_cache_group_index` of `attn_metadata`. It is a
+# module global because a process runs one forward at a time (a worker executes its steps in
+# order, and the model is never re-entered), so no layer can see another step's context.
+@dataclass(frozen=True)
+class ForwardContext:
+    # [num_reqs + 1] int32: where each request's new tokens start; None: one request.
+    query_start_loc: torch.Tensor | None = None
+    attn_backend: AttentionBackend | None = None
+    # Per KV cache group, the backend's metadata for this step; None: no KV cache (profiling).
+    attn_metadata: list[Any] | None = None
+
+
+_forward_context = ForwardContext()
+
+
+def get_forward_context() -> ForwardContext:
+    return _forward_context
+
+
+@contextmanager
+def set_forward_context(
+    query_start_loc: torch.Tensor | None,
+    attn_backend: AttentionBackend | None = None,
+    attn_metadata: list[Any] | None = None,
+) -> Iterator[ForwardContext]:
+    if attn_metadata is not None and attn_backend is None:
+        raise ValueError("attn_metadata needs the attn_backend that built it, got None")
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(query_start_loc, attn_backend, attn_metadata)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from v1engine.model.layers import cpu_kernels
-from v1engine.model.layers.attention import get_forward_context
+from v1engine.model.layers.attention_backend import get_forward_context
 from v1engine.model.layers.cpu_attention_backend import CpuAttentionMetadata
 from v1engine.model.layers.layernorm import RMSNorm
 from v1engine.model.layers.linear import max_kernel_tokens
