@@ -12,8 +12,8 @@ import torch
 from v1engine.model.layers.linear import ParallelLMHead
 from v1engine.outputs import NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
-from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
-from v1engine.worker.request_states import CachedRequestState, InputBatch
+from v1engine.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
+from v1engine.worker.request_states import CachedRequestState, InputBatch, RequestStates
 
 VOCAB_SIZE, HIDDEN_SIZE = 131, 16
 CPU = torch.device("cpu")
@@ -24,11 +24,11 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 class _Step:
-    """A real InputBatch and PromptLogprobsStates fed as the runner feeds them."""
+    """Real RequestStates (which register the requests that ask) fed as the runner feeds them."""
 
     def __init__(self, prompts: dict[str, tuple[list[int], int | None]]) -> None:
         self.batch = InputBatch(max_num_reqs=4, max_model_len=256, block_sizes=[16])
-        self.states = PromptLogprobsStates()
+        self.states = RequestStates(self.batch, CPU)
         self.prompts = {req_id: [int(t) for t in p] for req_id, (p, _) in prompts.items()}
         new_reqs = [
             NewRequestData(
@@ -48,7 +48,9 @@ class _Step:
             )
             self.batch.add_request(state)
         query_lens = np.array([q for _, q in computed_and_query.values()], dtype=np.int64)
-        return self.states.plan(self.batch, query_lens, CPU)
+        if not self.states.prompt_logprobs:  # as the runner: no plan without an asker
+            return None
+        return plan_prompt_logprobs(self.states.prompt_logprobs, self.batch, query_lens, CPU)
 
 
 def test_plan_follows_chunks_and_skips_what_a_preempted_request_already_scored():
@@ -66,7 +68,7 @@ def test_plan_follows_chunks_and_skips_what_a_preempted_request_already_scored()
     assert plan.next_token_ids.tolist() == step.prompts["a"][21:26]
     plan = step.run({"a": (25, 5)})
     assert plan.num_rows == [4] and plan.next_token_ids.tolist() == step.prompts["a"][26:30]
-    assert step.states.progress == {}  # every request fully scored
+    assert step.states.prompt_logprobs == {}  # every request fully scored
     assert step.run({"a": (30, 1)}) is None  # a decode
 
 
@@ -78,7 +80,7 @@ def test_a_request_started_past_unscored_positions_is_refused():
 
 def test_one_token_prompt_scores_nothing():
     step = _Step({"a": (_prompt(1, 4), 5)})
-    assert step.states.progress == {}
+    assert step.states.prompt_logprobs == {}
     assert step.run({"a": (0, 1)}) is None
 
 
@@ -133,3 +135,11 @@ def test_prompt_logprobs_must_be_non_negative():
     assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
     with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs must be >= 0.*-1"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_only_askers_are_tracked_and_a_finished_one_is_dropped():
+    step = _Step({"a": (_prompt(30, 10), 1), "b": (_prompt(30, 11), None)})
+    assert list(step.states.prompt_logprobs) == ["a"]
+    step.states.update(SchedulerOutput(finished_req_ids={"a"}))  # aborted mid-prompt
+    assert step.states.prompt_logprobs == {}
+    assert step.run({"b": (0, 30)}) is None

@@ -61,7 +61,7 @@ from v1engine.worker.model_inputs import (
     grammar_bitmask_rows,
     to_logprobs_lists,
 )
-from v1engine.worker.prompt_logprobs import PromptLogprobsStates, compute_prompt_logprobs
+from v1engine.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from v1engine.worker.request_states import InputBatch, RequestStates
 
 logger = init_logger(__name__)
@@ -103,7 +103,6 @@ class GPUModelRunner:
         self.greedy_screen: GreedyScreen | None = None
         # The request states and the persistent batch; built with the KV cache.
         self.states: RequestStates | None = None
-        self.prompt_logprobs_states = PromptLogprobsStates()
         # Per KV cache group, the spec its attention metadata is built for.
         self.kv_cache_group_specs: list[AttentionSpec] = []
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -299,7 +298,11 @@ class GPUModelRunner:
         """The forward: the hidden states of the rows that sample ([num_sampling, hidden_size]),
         and the prompt logprobs of the requests that asked for them. Only the sampling rows
         leave the model unless prompt logprobs read every row."""
-        plan = self.prompt_logprobs_states.plan(self.states.input_batch, query_lens, self.device)
+        plan = None
+        if self.states.prompt_logprobs:  # some request still scores its prompt
+            plan = plan_prompt_logprobs(
+                self.states.prompt_logprobs, self.states.input_batch, query_lens, self.device
+            )
         if plan is None:
             return self._forward(inputs, self._output_rows(inputs)), {}
         hidden = self._forward(inputs)
@@ -377,7 +380,6 @@ class GPUModelRunner:
                 "first (run the start-up handshake)"
             )
         self.states.update(scheduler_output)
-        self.prompt_logprobs_states.update(scheduler_output)
 
 
 def _spread(num_tokens: int, num_reqs: int) -> list[int]:

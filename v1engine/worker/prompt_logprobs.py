@@ -6,10 +6,11 @@ output token (the sampled row, not a prompt logprob). A step scores the position
 chunked prefill a chunk's last position scores the first token of the next chunk, which the
 worker already holds (the whole prompt arrives with the request).
 
-`PromptLogprobsStates` remembers, per request that asks, how many positions are scored, so a
-request preempted and recomputed never scores a position twice, and finds the rows of this step
-(`plan`). `compute_prompt_logprobs` then runs the LM head and log_softmax over those rows only,
-`slice_rows` at a time, so a long prompt never holds a [num_prompt_tokens, vocab] tensor.
+The worker's request states remember, per request that asks, how many positions are scored
+(`RequestStates.prompt_logprobs`), so a request preempted and recomputed never scores a
+position twice; `plan_prompt_logprobs` finds the rows of this step. `compute_prompt_logprobs`
+then runs the LM head and log_softmax over those rows only, `slice_rows` at a time, so a long
+prompt never holds a [num_prompt_tokens, vocab] tensor.
 
 Tensor parallelism: the LM head all-gathers the vocabulary shards, so every rank must call it for
 the same rows in the same order; every rank applies the same SchedulerOutputs, so their plans
@@ -25,19 +26,12 @@ import numpy as np
 import torch
 
 from v1engine.model.layers.sampler import LogprobsTensors, gather_logprobs
-from v1engine.outputs import LogprobsLists, SchedulerOutput
-from v1engine.worker.request_states import InputBatch
+from v1engine.outputs import LogprobsLists
+from v1engine.worker.request_states import InputBatch, PromptProgress
 
 # Rows of logits per LM-head call: 256 x vocab fp32 plus its log_softmax stays well under what
 # the profiling run's sampler holds for max_num_seqs rows (sort, penalties, probabilities).
 PROMPT_LOGPROBS_SLICE_ROWS = 256
-
-
-@dataclass
-class _Progress:
-    num_prompt_tokens: int
-    num_logprobs: int  # k: top tokens per position, besides the prompt token itself
-    num_scored: int = 0  # positions 0 .. num_scored - 1 are scored and returned
 
 
 @dataclass
@@ -51,57 +45,42 @@ class PromptLogprobsPlan:
     next_token_ids: torch.Tensor  # [num_rows] int64: the prompt token each row scores
 
 
-class PromptLogprobsStates:
-    def __init__(self) -> None:
-        # In arrival order, which every rank sees alike; requests leave once fully scored.
-        self.progress: dict[str, _Progress] = {}
+def plan_prompt_logprobs(
+    progress: dict[str, PromptProgress],
+    batch: InputBatch,
+    query_lens: np.ndarray,
+    device: torch.device,
+) -> PromptLogprobsPlan | None:
+    """The rows to score this step (None: none), marked scored in `progress`, which drops the
+    requests now fully scored. Call once per step, after the batch holds the step's requests.
 
-    def update(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id in scheduler_output.finished_req_ids:
-            self.progress.pop(req_id, None)
-        for new_req in scheduler_output.scheduled_new_reqs:
-            k = new_req.sampling_params.prompt_logprobs
-            if k is not None and len(new_req.prompt_token_ids) > 1:
-                self.progress[new_req.req_id] = _Progress(len(new_req.prompt_token_ids), k)
-
-    def plan(
-        self, batch: InputBatch, query_lens: np.ndarray, device: torch.device
-    ) -> PromptLogprobsPlan | None:
-        """The rows to score this step (None: none), marked scored. Call once per step, after
-        the batch holds the step's requests.
-
-        Raises:
-            RuntimeError: a request that asks starts past a position it has not scored yet (the
-                scheduler served it from the prefix cache).
-        """
-        if not self.progress:
-            return None
-        query_starts = np.cumsum(query_lens) - query_lens
-        steps = [
-            _step_rows(req_id, progress, batch, query_lens, query_starts)
-            for req_id, progress in self.progress.items()
-        ]
-        steps = [step for step in steps if step is not None]
-        self.progress = {
-            req_id: progress
-            for req_id, progress in self.progress.items()
-            if progress.num_scored < progress.num_prompt_tokens - 1
-        }
-        if not steps:
-            return None
-        req_ids, num_logprobs, indices, next_tokens = zip(*steps)
-        return PromptLogprobsPlan(
-            req_ids=list(req_ids),
-            num_rows=[len(i) for i in indices],
-            num_logprobs=list(num_logprobs),
-            token_indices=torch.from_numpy(np.concatenate(indices)).to(device),
-            next_token_ids=torch.from_numpy(np.concatenate(next_tokens)).to(device, torch.int64),
-        )
+    Raises:
+        RuntimeError: a request that asks starts past a position it has not scored yet (the
+            scheduler served it from the prefix cache).
+    """
+    query_starts = np.cumsum(query_lens) - query_lens
+    steps = [
+        _step_rows(req_id, request, batch, query_lens, query_starts)
+        for req_id, request in progress.items()
+    ]
+    steps = [step for step in steps if step is not None]
+    for req_id in [r for r, p in progress.items() if p.num_scored >= p.num_prompt_tokens - 1]:
+        del progress[req_id]
+    if not steps:
+        return None
+    req_ids, num_logprobs, indices, next_tokens = zip(*steps)
+    return PromptLogprobsPlan(
+        req_ids=list(req_ids),
+        num_rows=[len(i) for i in indices],
+        num_logprobs=list(num_logprobs),
+        token_indices=torch.from_numpy(np.concatenate(indices)).to(device),
+        next_token_ids=torch.from_numpy(np.concatenate(next_tokens)).to(device, torch.int64),
+    )
 
 
 def _step_rows(
     req_id: str,
-    progress: _Progress,
+    progress: PromptProgress,
     batch: InputBatch,
     query_lens: np.ndarray,
     query_starts: np.ndarray,

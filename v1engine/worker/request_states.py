@@ -194,12 +194,24 @@ class InputBatch:
             table.move_row(last, row)
 
 
+@dataclass
+class PromptProgress:
+    """A request that asked for prompt logprobs (worker/prompt_logprobs.py) and still has
+    prompt positions to score."""
+
+    num_prompt_tokens: int
+    num_logprobs: int  # k: top tokens per position, besides the prompt token itself
+    num_scored: int = 0  # positions 0 .. num_scored - 1 are scored and returned
+
+
 class RequestStates:
     def __init__(self, input_batch: InputBatch, generator_device: torch.device | str) -> None:
         self.input_batch = input_batch
         # Where seeded requests' generators live: the device the sampler runs on.
         self.generator_device = torch.device(generator_device)
         self.requests: dict[str, CachedRequestState] = {}
+        # In arrival order, which every rank sees alike; a request leaves once fully scored.
+        self.prompt_logprobs: dict[str, PromptProgress] = {}
 
     def update(self, scheduler_output: SchedulerOutput) -> None:
         """Applies one step's SchedulerOutput to the request states and the input batch."""
@@ -207,11 +219,17 @@ class RequestStates:
         batch = self.input_batch
         for req_id in sorted(scheduler_output.finished_req_ids):
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         for req_id in sorted(scheduler_output.preempted_req_ids):
             batch.remove_request(req_id)
         for new_req in scheduler_output.scheduled_new_reqs:
             self.requests[new_req.req_id] = self._new_request_state(new_req)
+            k = new_req.sampling_params.prompt_logprobs
+            if k is not None and len(new_req.prompt_token_ids) > 1:
+                self.prompt_logprobs[new_req.req_id] = PromptProgress(
+                    len(new_req.prompt_token_ids), k
+                )
         self._apply_cached_diffs(scheduler_output.scheduled_cached_reqs)
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_ids if r not in scheduled]:
