@@ -12,6 +12,7 @@ import torch
 from tests.core.fake_worker import make_request, make_scheduler, make_worker, step
 from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
+from v1engine.worker.request_states import CachedRequestState, InputBatch
 
 
 def _running_pair():
@@ -99,3 +100,16 @@ def test_a_broken_scheduler_output_raises_and_changes_nothing(scheduler_output, 
     with pytest.raises(RuntimeError, match=match):
         worker.states.update(scheduler_output)
     assert _snapshot(worker.states) == before
+
+
+def test_a_row_that_would_overflow_raises_and_keeps_its_contents():
+    batch = InputBatch(max_num_reqs=1, max_model_len=32, block_sizes=[16])
+    state = CachedRequestState("r", list(range(30)), SamplingParams(), None, [[5, 6]], 0)
+    batch.add_request(state)
+    with pytest.raises(RuntimeError, match=r"'r' would hold 34 tokens.*max_model_len=32"):
+        batch.append_tokens(0, [1, 2, 3, 4])  # one sampled token past max_model_len is allowed
+    batch.append_tokens(0, [1, 2, 3])
+    assert batch.num_tokens[0] == 33
+    with pytest.raises(RuntimeError, match=r"row 0 would hold 3 blocks of 16 tokens.* 2 a "):
+        batch.append_block_ids(0, ([7],))
+    assert batch.block_tables[0].num_blocks[0] == 2

@@ -51,6 +51,7 @@ state changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,16 +97,17 @@ class BlockTable:
         self.append_row(row, block_ids)
 
     def append_row(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.max_num_blocks_per_req:
-            raise RuntimeError(
-                f"block table row {row} would hold {end} blocks of {self.block_size} tokens, "
-                f"more than the {self.max_num_blocks_per_req} a max_model_len request needs; "
-                "the scheduler allocated more blocks than max_model_len allows"
-            )
-        self.table[row, start:end] = block_ids
-        self.num_blocks[row] = end
+        _append_to_row(
+            self.table,
+            self.num_blocks,
+            row,
+            block_ids,
+            lambda end: (
+                f"block table row {row} would hold {end} blocks of {self.block_size} "
+                f"tokens, more than the {self.max_num_blocks_per_req} a max_model_len request "
+                "needs; the scheduler allocated more blocks than max_model_len allows"
+            ),
+        )
 
     def move_row(self, src: int, dst: int) -> None:
         num_blocks = int(self.num_blocks[src])
@@ -160,16 +162,17 @@ class InputBatch:
             table.set_row(row, block_ids)
 
     def append_tokens(self, row: int, token_ids: list[int]) -> None:
-        start = int(self.num_tokens[row])
-        end = start + len(token_ids)
-        if end > self.max_model_len + 1:
-            raise ValueError(
+        _append_to_row(
+            self.token_ids,
+            self.num_tokens,
+            row,
+            token_ids,
+            lambda end: (
                 f"request {self.req_ids[row]!r} would hold {end} tokens, more than "
                 f"max_model_len={self.max_model_len}; the scheduler must cap prompt plus output "
                 "tokens at max_model_len (one sampled token past it at most)"
-            )
-        self.token_ids[row, start:end] = token_ids
-        self.num_tokens[row] = end
+            ),
+        )
 
     def append_block_ids(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
         for table, block_ids in zip(self.block_tables, new_block_ids):
@@ -192,6 +195,26 @@ class InputBatch:
         self.num_computed_tokens[row] = self.num_computed_tokens[last]
         for table in self.block_tables:
             table.move_row(last, row)
+
+
+def _append_to_row(
+    data: np.ndarray,
+    lengths: np.ndarray,
+    row: int,
+    values: list[int],
+    overflow: Callable[[int], str],
+) -> None:
+    """Writes `values` after the `lengths[row]` entries of `data[row]`.
+
+    Raises:
+        RuntimeError: the row cannot hold them (`overflow(new length)` says why).
+    """
+    start = int(lengths[row])
+    end = start + len(values)
+    if end > data.shape[1]:
+        raise RuntimeError(overflow(end))
+    data[row, start:end] = values
+    lengths[row] = end
 
 
 @dataclass
