@@ -10,7 +10,7 @@ contract (what workers keep, drop and rebuild, and in which order) is written ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from v1engine.sampling_params import SamplingParams
 
@@ -151,14 +151,34 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """One prompt's embedding (vLLM's `LLM.embed` result); `finished` is always True."""
+class ClassificationOutput:
+    probs: list[float]  # per class, after the model's activation (or its logits without)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+PooledT = TypeVar("PooledT")  # what a pooling request returns: an embedding, class scores
+
+
+@dataclass
+class PoolingRequestOutput(Generic[PooledT]):
+    """One prompt's pooled result; `finished` is always True."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: PooledT
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """vLLM's `LLM.embed` result."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """vLLM's `LLM.classify` result."""
 
 
 @dataclass
@@ -166,11 +186,5 @@ class ScoringOutput:
     score: float
 
 
-@dataclass
-class ScoringRequestOutput:
-    """One text pair's score (vLLM's `LLM.score` result); `finished` is always True."""
-
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """One text pair's score (vLLM's `LLM.score` result)."""

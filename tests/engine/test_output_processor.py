@@ -12,9 +12,10 @@ from transformers import AutoTokenizer
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputProcessor
+from v1engine.engine.pooling_state import PoolingState
 from v1engine.engine.processor import Processor, as_parent_error, make_child_requests
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
-from v1engine.outputs import Logprob, LogprobsLists, RequestOutput
+from v1engine.outputs import ClassificationRequestOutput, Logprob, LogprobsLists, RequestOutput
 from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreOutput, FinishReason
 from v1engine.sampling_params import SamplingParams
@@ -333,10 +334,12 @@ def test_a_childs_error_names_its_parent():
 
 def test_an_embedding_request_gets_its_vector_once() -> None:
     processor = OutputProcessor(None)
-    processor.add_pooling_request("e", [1, 2, 3], PoolingParams())
-    processor.add_pooling_request("raw", [4], PoolingParams(normalize=False, dimensions=2))
+    processor.add_pooling_request(PoolingState("e", [1, 2, 3], PoolingParams()))
+    processor.add_pooling_request(
+        PoolingState("raw", [4], PoolingParams(normalize=False, dimensions=2))
+    )
     with pytest.raises(ValueError, match="already running"):
-        processor.add_pooling_request("e", [1], PoolingParams())
+        processor.add_pooling_request(PoolingState("e", [1], PoolingParams()))
     outputs, to_abort = processor.process_outputs(
         [
             EngineCoreOutput("e", [], FinishReason.STOP, pooling_output=[3.0, 4.0]),
@@ -348,10 +351,23 @@ def test_an_embedding_request_gets_its_vector_once() -> None:
     assert outputs[0].prompt_token_ids == [1, 2, 3] and outputs[0].finished
 
 
+def test_a_classification_request_gets_its_class_scores() -> None:
+    processor = OutputProcessor(None)
+    processor.add_pooling_request(PoolingState("c", [7, 8], PoolingParams(), "softmax"))
+    logits = [0.0, math.log(3.0)]
+    outputs, _ = processor.process_outputs(
+        [EngineCoreOutput("c", [], FinishReason.STOP, pooling_output=logits)]
+    )
+    (output,) = outputs
+    assert isinstance(output, ClassificationRequestOutput) and output.finished
+    assert output.outputs.probs == pytest.approx([0.25, 0.75])
+    assert output.prompt_token_ids == [7, 8] and not processor.has_unfinished_requests()
+
+
 def test_an_embedding_request_the_core_refused_ends_with_its_reason() -> None:
     processor = OutputProcessor(None)
-    processor.add_pooling_request("e", [1, 2, 3], PoolingParams())
-    processor.add_pooling_request("gone", [5], PoolingParams())
+    processor.add_pooling_request(PoolingState("e", [1, 2, 3], PoolingParams()))
+    processor.add_pooling_request(PoolingState("gone", [5], PoolingParams()))
     assert processor.abort_requests(["gone"]) == ["gone"]
     (output,), _ = processor.process_outputs(
         [EngineCoreOutput("e", [], FinishReason.ABORT), EngineCoreOutput("gone", [])]

@@ -182,7 +182,7 @@ def test_a_base_model_checkpoint_embeds_by_default(tmp_path, preset, tp):
 
 def test_a_base_model_cannot_generate(tmp_path):
     path = make_checkpoint(tmp_path, "llama", base_model=True)
-    with pytest.raises(ValueError, match="LlamaModel is a base model without an LM head"):
+    with pytest.raises(ValueError, match="LlamaModel has no LM head: it can embed, not generate"):
         make_llm(path, runner="generate")
 
 
@@ -212,3 +212,11 @@ def test_a_pooling_engine_keeps_no_copies_of_the_lm_head(llama_checkpoint, embed
     with make_llm(llama_checkpoint) as generating:
         ((head_packed, projection_packed, _),) = generating.collective_rpc(lm_head_copies)
     assert head_packed == projection_packed  # a generating engine packs both, or neither
+
+
+def test_an_embedding_model_only_embeds(embedder):
+    with pytest.raises(ValueError, match=r"embeds: classification needs a \*ForSequence"):
+        embedder.classify(PROMPTS[:1])
+    with pytest.raises(ValueError, match="PoolingParams.use_activation is for classifiers"):
+        embedder.embed(PROMPTS[:1], PoolingParams(use_activation=True))
+    assert embedder.embed(PROMPTS[:1], use_tqdm=False)[0].outputs.embedding  # still serving

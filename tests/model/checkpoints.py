@@ -83,14 +83,18 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_hf_model(
-    arch: str, seed: int = 0, base_model: bool = False, **overrides: Any
+    arch: str, seed: int = 0, base_model: bool = False, classifier: bool = False, **overrides: Any
 ) -> torch.nn.Module:
     """A float32 transformers model of preset `arch` with random weights, in eval mode
-    (`base_model`: transformers' AutoModel, e.g. LlamaModel, without the LM head)."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    (`base_model`: transformers' AutoModel, e.g. LlamaModel, without the LM head; `classifier`:
+    AutoModelForSequenceClassification, e.g. LlamaForSequenceClassification, whose classes
+    `overrides` may set with `id2label`)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = make_config(arch, **overrides)
     auto_cls = AutoModel if base_model else AutoModelForCausalLM
+    if classifier:
+        auto_cls = AutoModelForSequenceClassification
     model = auto_cls.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     return model.eval()
@@ -104,15 +108,17 @@ def make_checkpoint(
     name: str | None = None,
     max_shard_size: str | None = None,
     base_model: bool = False,
+    classifier: bool = False,
     **overrides: Any,
 ) -> str:
     """Saves a random preset-`arch` model under `tmp_path/<name or arch>`; returns that directory.
 
     `max_shard_size` (e.g. "40KB") splits the weights into several safetensors files with a
     `model.safetensors.index.json`, as large real checkpoints are; `base_model` saves
-    transformers' AutoModel (LlamaModel, ...: no LM head), as embedding checkpoints are.
+    transformers' AutoModel (LlamaModel, ...: no LM head), as embedding checkpoints are;
+    `classifier` a sequence classifier (see `make_hf_model`).
     """
-    model = make_hf_model(arch, seed, base_model, **overrides)
+    model = make_hf_model(arch, seed, base_model, classifier, **overrides)
     path = os.path.join(os.fspath(tmp_path), name or arch)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)

@@ -29,9 +29,10 @@ from v1engine.engine.beam_search import BeamSearch, step_candidates, step_params
 from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
+from v1engine.engine.pooling_state import PooledOutput
 from v1engine.engine.processor import Processor, as_parent_error
 from v1engine.logger import init_logger
-from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.outputs import RequestOutput
 from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreOutputs, EngineCoreRequest
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
@@ -142,14 +143,14 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: PoolingParams,
         priority: int = 0,
-    ) -> AsyncIterator[EmbeddingRequestOutput]:
-        """Sends an embedding request (a pooling engine's); returns its one output to iterate,
-        as `add_request` does (and raises as it does)."""
+        task: str | None = None,
+    ) -> AsyncIterator[PooledOutput]:
+        """Sends a pooling request (`task`: "embed" or "classify"; None: the model's); returns
+        its one output to iterate, as `add_request` does (and raises as it does)."""
+        process = self.processor.process_pooling
         return await self._send(
             request_id,
-            lambda: [
-                self.processor.process_pooling(request_id, prompt_token_ids, params, priority)
-            ],
+            lambda: [process(request_id, prompt_token_ids, params, priority, task)],
             max_tokens=None,
         )
 

@@ -16,8 +16,8 @@ that is a proper prefix of a stop string is held back (not needed with
 `include_stop_str_in_output`: whatever precedes a stop string's end stays in the output). vLLM
 holds back `max(len(stop)) - 1` characters; holding back only a real partial match streams sooner.
 
-An embedding request (a pooling engine's) is a `PoolingState`: its one output becomes an
-`EmbeddingRequestOutput`.
+A pooling engine's request is a `PoolingState`: its one output becomes an
+`EmbeddingRequestOutput` or a `ClassificationRequestOutput`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ from v1engine.engine.detokenizer import (
     partial_stop_len,
 )
 from v1engine.engine.logprobs import PromptLogprobs, TokenDecoder, logprob_dicts
-from v1engine.engine.pooling_state import PoolingState
-from v1engine.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
-from v1engine.pooling_params import PoolingParams
+from v1engine.engine.pooling_state import PooledOutput, PoolingState
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
 from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -274,24 +273,22 @@ class OutputProcessor:
             index,
         )
 
-    def add_pooling_request(
-        self, request_id: str, prompt_token_ids: list[int], params: PoolingParams
-    ) -> None:
-        """Starts tracking one embedding request (a pooling engine's; its core id is its id)."""
-        if request_id in self.request_states:
-            raise ValueError(f"request_id {request_id!r} is already running; use a unique id")
-        self.request_states[request_id] = PoolingState(request_id, prompt_token_ids, params)
+    def add_pooling_request(self, state: PoolingState) -> None:
+        """Starts tracking one pooling request (a pooling engine's; its core id is its id)."""
+        if state.request_id in self.request_states:
+            raise ValueError(f"request_id {state.request_id!r} is already running; use a unique id")
+        self.request_states[state.request_id] = state
 
     def process_outputs(
         self, engine_core_outputs: Iterable[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | PooledOutput], list[str]]:
         """One step: returns `(request_outputs, request_ids_to_abort)`.
 
         `request_outputs` has at most one entry per request (an n > 1 parent's children folded
         into one); `request_ids_to_abort` are the requests a stop string finished, which the
         caller must abort in the core. Finished requests are forgotten.
         """
-        request_outputs: list[RequestOutput | EmbeddingRequestOutput] = []
+        request_outputs: list[RequestOutput | PooledOutput] = []
         request_ids_to_abort: list[str] = []
         child_completions: dict[str, list[CompletionOutput]] = {}
         for output in engine_core_outputs:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
+from v1engine.engine.pooling_state import PoolingState
+from v1engine.model.hf_config import classifier_activation, pooling_task
 from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreRequest, validate_request
 from v1engine.sampling_params import SamplingParams
@@ -41,6 +43,13 @@ PromptType = str | list[int] | dict[str, Any]
 # A pooling engine schedules each prompt as a one-token generation; its workers return the
 # prompt's last hidden state where they would sample that token.
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# Asked of a pooling model whose task is the other one.
+_WRONG_TASK = {
+    "embed": "model {model!r} is a sequence classifier: it classifies, it does not embed; "
+    "use LLM.classify or POST /classify",
+    "classify": "model {model!r} embeds: classification needs a *ForSequenceClassification "
+    "checkpoint; use LLM.embed or POST /v1/embeddings",
+}
 
 
 class Processor:
@@ -64,6 +73,13 @@ class Processor:
         self.eos_token_id = eos_token_id(tokenizer, config.model_config.hf_config)
         self.model_config = config.model_config
         self.scheduling_policy = config.scheduler_config.policy
+        # A pooling engine's task ("embed" or "classify") and a classifier's activation.
+        hf_config = self.model_config.hf_config
+        pooling = self.model_config.runner_type == "pooling" and hf_config is not None
+        self.pooling_task = pooling_task(hf_config) if pooling else None
+        self.classifier_activation = (
+            classifier_activation(hf_config) if self.pooling_task == "classify" else None
+        )
         # Built on the first structured request (it reads the whole vocabulary once).
         self._grammar_backend: GrammarBackend | None = None
         # The API server checks grammars from threads: one backend, built once.
@@ -175,17 +191,20 @@ class Processor:
         prompt_token_ids: list[int],
         params: PoolingParams,
         priority: int = 0,
+        task: str | None = None,
     ) -> EngineCoreRequest:
-        """Registers an embedding request with the output processor and returns the one core
-        request to send (its id is `request_id`; the prompt cut to truncate_prompt_tokens).
+        """Registers a pooling request (`task`: "embed" or "classify"; None: the model's) with
+        the output processor and returns the one core request to send (its id is `request_id`;
+        the prompt cut to truncate_prompt_tokens).
 
         Raises:
-            ValueError: the engine does not pool, or the request cannot be served (as
-                `process`, or dimensions the model was not trained for); nothing registered.
+            ValueError: as `check_pooling_task`, or the request cannot be served (as `process`,
+                or params the model's task does not take); nothing registered.
         """
-        self._require_runner("pooling", "embedding")
+        task = task or self.pooling_task or "embed"
+        self.check_pooling_task(task)
         check_priority(priority, self.scheduling_policy)
-        params.check_for_model(self.model_config.hf_config, self.model_config.model)
+        params.check_for_model(task, self.model_config.hf_config, self.model_config.model)
         info = self.info
         prompt_token_ids = truncate_prompt(
             prompt_token_ids, params.truncate_prompt_tokens, info.max_model_len
@@ -202,8 +221,17 @@ class Processor:
             )
         in_use = self.output_processor.request_states  # a pooling engine's requests: no n > 1
         validate_request(request, info.max_model_len, info.vocab_size, in_use)
-        self.output_processor.add_pooling_request(request_id, prompt_token_ids, params)
+        self.output_processor.add_pooling_request(
+            PoolingState(request_id, prompt_token_ids, params, self.classifier_activation)
+        )
         return request
+
+    def check_pooling_task(self, task: str) -> None:
+        """Raises ValueError unless this engine pools and its model does `task` ("embed" or
+        "classify")."""
+        self._require_runner("pooling", "classification" if task == "classify" else "embedding")
+        if task != self.pooling_task:
+            raise ValueError(_WRONG_TASK[task].format(model=self.model_config.model))
 
     def _require_runner(self, runner_type: str, what: str) -> None:
         if self.model_config.runner_type != runner_type:

@@ -1,5 +1,7 @@
-"""Scores of text pairs from an embedding model (vLLM's `LLM.score`, `/score` and `/rerank` for
-pooling models): the cosine similarity of the two texts' embeddings.
+"""Scores of text pairs from a pooling model (vLLM's `LLM.score`, `/score` and `/rerank`): with an
+embedding model, the cosine similarity of the two texts' embeddings; with a cross-encoder (a
+sequence classifier of one class), the classifier's score of the pair read as one input (the
+tokenizer's pair encoding), after its activation (a sigmoid).
 
 Pairs follow vLLM's rule: one text against one, one against N (the one repeated), or N against N
 (the i-th with the i-th). Each distinct text is embedded once, however many pairs hold it.
@@ -9,8 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
-from v1engine.outputs import EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from v1engine.model.hf_config import classifier_labels
+from v1engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 
 def score_pairs(
@@ -61,3 +70,39 @@ def score_outputs(
             )
         )
     return outputs
+
+
+def check_cross_encoder(hf_config: Any) -> None:
+    """Raises ValueError unless the classifier has one class (it is a cross-encoder)."""
+    num_classes = len(classifier_labels(hf_config))
+    if num_classes != 1:
+        raise ValueError(
+            f"scoring text pairs needs an embedding model or a cross-encoder (a classifier of "
+            f"one class); this classifier has {num_classes} classes: use classify instead"
+        )
+
+
+def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
+    """Each pair's token ids as one cross-encoder input (the tokenizer's pair encoding).
+
+    Raises:
+        ValueError: there is no tokenizer.
+    """
+    if tokenizer is None:
+        raise ValueError("scoring text pairs needs the tokenizer (skip_tokenizer_init is set)")
+    return [tokenizer(first, text_pair=second)["input_ids"] for first, second in pairs]
+
+
+def cross_encoder_scores(
+    classified: list[ClassificationRequestOutput],
+) -> list[ScoringRequestOutput]:
+    """One output per pair, its cross-encoder input classified."""
+    return [
+        ScoringRequestOutput(
+            request_id=output.request_id,
+            outputs=ScoringOutput(output.outputs.probs[0]),
+            prompt_token_ids=output.prompt_token_ids,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+        for output in classified
+    ]

@@ -22,10 +22,23 @@ from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.generation_defaults import describe
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
-from v1engine.engine.scoring import distinct_texts, score_outputs, score_pairs
+from v1engine.engine.scoring import (
+    check_cross_encoder,
+    cross_encoder_inputs,
+    cross_encoder_scores,
+    distinct_texts,
+    score_outputs,
+    score_pairs,
+)
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
-from v1engine.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from v1engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.tokenizer import BackgroundTokenizerLoad
@@ -198,9 +211,38 @@ class LLM:
         `truncate_prompt_tokens` (vLLM's) overrides the params' own.
 
         Raises:
-            ValueError: not a pooling engine, a bad prompt or params; no request of this call
-                is left running.
+            ValueError: not a pooling engine, a classifier, a bad prompt or params; no request
+                of this call is left running.
         """
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "embed")
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Classifies every prompt with a sequence classifier (a `*ForSequenceClassification`
+        checkpoint, which pools): `outputs.probs` holds one score per class, the model's
+        activation of its class logits (softmax; sigmoid for one class or multi-label), or the
+        logits themselves with `PoolingParams(use_activation=False)`.
+
+        Raises:
+            ValueError: not a pooling engine, a model that embeds, a bad prompt or params; no
+                request of this call is left running.
+        """
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "classify")
+
+    def _pool(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+        task: str,
+    ) -> list[Any]:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(
             pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling params"
@@ -214,9 +256,10 @@ class LLM:
         def process(
             request_id: str, index: int, text: str | None, token_ids: list[int]
         ) -> list[EngineCoreRequest]:
-            return [self.processor.process_pooling(request_id, token_ids, params[index])]
+            return [self.processor.process_pooling(request_id, token_ids, params[index], task=task)]
 
-        return [_embedding(output) for output in self._run(prompts, process, use_tqdm, "Embedding")]
+        desc = "Classifying" if task == "classify" else "Embedding"
+        return [_pooled(output) for output in self._run(prompts, process, use_tqdm, desc)]
 
     def score(
         self,
@@ -226,18 +269,23 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """Scores text pairs (one against one, one against N, or N against N) as vLLM does
-        with an embedding model: `outputs.score` is the cosine similarity of the two texts'
-        embeddings; each distinct text is embedded once. Needs `runner="pooling"`.
+        """Scores text pairs (one against one, one against N, or N against N) as vLLM does:
+        with an embedding model `outputs.score` is the cosine similarity of the two texts'
+        embeddings (each distinct text embedded once); with a cross-encoder (a classifier of
+        one class) the classifier's score of the pair. Needs `runner="pooling"`.
 
         Raises:
-            ValueError: texts that do not pair, or as `embed`.
+            ValueError: texts that do not pair, a classifier of several classes, or as `embed`.
         """
-        pairs = score_pairs(data_1, data_2)
+        pairs, cut = score_pairs(data_1, data_2), truncate_prompt_tokens
+        if self.processor.pooling_task == "classify":
+            check_cross_encoder(self.config.model_config.hf_config)
+            inputs = cross_encoder_inputs(self.tokenizer, pairs)
+            prompts = [{"prompt_token_ids": ids} for ids in inputs]
+            classified = self.classify(prompts, truncate_prompt_tokens=cut, use_tqdm=use_tqdm)
+            return cross_encoder_scores(classified)
         texts = distinct_texts(pairs)
-        embedded = self.embed(
-            texts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
-        )
+        embedded = self.embed(texts, truncate_prompt_tokens=cut, use_tqdm=use_tqdm)
         return score_outputs(pairs, dict(zip(texts, embedded)))
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -299,7 +347,7 @@ class LLM:
             self.client.abort_requests(core_ids)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool, desc: str) -> dict[str, Any]:
-        """Each request's final output (a RequestOutput, or an EmbeddingRequestOutput), by id."""
+        """Each request's final output (a RequestOutput, or a PoolingRequestOutput), by id."""
         finished: dict[str, Any] = {}
         with tqdm(total=num_requests, desc=desc, disable=not use_tqdm) as bar:
             while self.output_processor.has_unfinished_requests():
@@ -332,11 +380,11 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return list(prompts)
 
 
-def _embedding(output: EmbeddingRequestOutput | RequestOutput) -> EmbeddingRequestOutput:
-    if isinstance(output, EmbeddingRequestOutput):
+def _pooled(output: PoolingRequestOutput | RequestOutput) -> PoolingRequestOutput:
+    if isinstance(output, PoolingRequestOutput):
         return output
     reason = output.outputs[0].finish_reason  # the core refused it (it logged why)
-    raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without an embedding")
+    raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without a result")
 
 
 def _per_prompt(values: Any, single: type, num_prompts: int, what: str) -> list[Any]:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from v1engine.model.models.registry import (
     architecture_for_model_type,
     check_architecture,
-    is_base_model,
+    has_lm_head,
+    is_classifier,
     supported_architectures,
 )
 from v1engine.utils import DEFAULT_CACHE_DIR, write_atomically
@@ -134,21 +135,47 @@ def get_architecture(hf_config: Any) -> str:
 
 def resolve_runner(runner: str, hf_config: Any) -> str:
     """The runner type, "generate" or "pooling", for `runner` ("auto", "generate", "pooling"):
-    as vLLM's auto, a causal LM generates and a base model (no LM head, e.g. `Qwen3Model`) pools.
+    as vLLM's auto, a causal LM generates, and a base model (no LM head, e.g. `Qwen3Model`) or a
+    sequence classifier pools.
 
     Raises:
-        ValueError: "generate" for a base model, which has no LM head to generate with.
+        ValueError: "generate" for a model without an LM head to generate with.
     """
     architecture = None if hf_config is None else get_architecture(hf_config)
-    base = architecture is not None and is_base_model(architecture)
+    headless = architecture is not None and not has_lm_head(architecture)
     if runner == "auto":
-        return "pooling" if base else "generate"
-    if runner == "generate" and base:
+        return "pooling" if headless else "generate"
+    if runner == "generate" and headless:
+        can = "classify" if is_classifier(architecture) else "embed"
         raise ValueError(
-            f"{architecture} is a base model without an LM head: it can embed, not generate; "
-            "serve it with --runner pooling (or auto)"
+            f"{architecture} has no LM head: it can {can}, not generate; serve it with "
+            "--runner pooling (or auto)"
         )
     return runner
+
+
+def pooling_task(hf_config: Any) -> str:
+    """What a pooling engine does with the model: "classify" for a sequence classifier,
+    "embed" for any other."""
+    return "classify" if is_classifier(get_architecture(hf_config)) else "embed"
+
+
+def classifier_labels(hf_config: Any) -> list[str]:
+    """A sequence classifier's class names in index order: config.json's `id2label`, or
+    transformers' default of two classes when it has none."""
+    id2label = getattr(hf_config, "id2label", None) or {0: "LABEL_0", 1: "LABEL_1"}
+    return [str(id2label[key]) for key in sorted(id2label, key=int)]
+
+
+def classifier_activation(hf_config: Any) -> str:
+    """What turns a classifier's logits into its scores (vLLM's rule): "none" for a regression
+    head, "sigmoid" for multi-label problems or a single class, else "softmax"."""
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return "none"
+    if problem == "multi_label_classification" or len(classifier_labels(hf_config)) < 2:
+        return "sigmoid"
+    return "softmax"
 
 
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -16,9 +16,14 @@ import torch
 from torch import nn
 
 from v1engine.logger import init_logger
-from v1engine.model.hf_config import get_architecture, prepare_checkpoint
+from v1engine.model.hf_config import classifier_labels, get_architecture, prepare_checkpoint
 from v1engine.model.layers.linear import pack_cpu_weights
-from v1engine.model.models.registry import get_model_class, is_base_model
+from v1engine.model.models.registry import (
+    get_model_class,
+    has_lm_head,
+    is_base_model,
+    is_classifier,
+)
 from v1engine.model.parallel_state import get_tp_rank
 from v1engine.model.weight_utils import WeightSource
 
@@ -92,14 +97,18 @@ def load_model(
     """
     architecture = get_architecture(hf_config)
     model_cls = get_model_class(architecture)
-    headless = is_base_model(architecture)
     device = torch.device(device)
     checkpoint_dir = prepare_checkpoint(checkpoint_dir)
     files = get_weight_files(checkpoint_dir)
     with torch.device(device):
-        model = model_cls(hf_config, dtype, has_lm_head=not headless)
+        model = model_cls(hf_config, dtype, has_lm_head=has_lm_head(architecture))
+        if is_classifier(architecture):
+            # Replicated on every rank (a few rows): `GPUModelRunner._pool` applies it.
+            num_labels = len(classifier_labels(hf_config))
+            score = nn.Linear(hf_config.hidden_size, num_labels, bias=False, dtype=dtype)
+            model.score = score.requires_grad_(False)
     weights = iterate_weights(files)
-    if headless:  # a base model's tensors are its causal class's `model.*` ones
+    if is_base_model(architecture):  # a base model's tensors are its causal class's `model.*`
         weights = ((_causal_name(name), source) for name, source in weights)
     # Slices are read on CPU and copied into the device parameters shard by shard.
     model.load_weights(weights)

@@ -321,10 +321,13 @@ class GPUModelRunner:
         self, hidden: torch.Tensor, inputs: ModelInputs, req_ids: list[str]
     ) -> ModelRunnerOutput | None:
         """A pooling engine's step: each request whose prompt ended here gets its last token's
-        final hidden state (a row of `hidden`), and nothing is sampled. Every rank holds the
-        whole hidden state; the driver replies."""
+        final hidden state (a row of `hidden`), or a classifier's class logits of it, and
+        nothing is sampled. Every rank holds the whole hidden state; the driver replies."""
         if not self.is_driver:
             return None
+        score = getattr(self.model, "score", None)  # a sequence classifier's head
+        if score is not None:
+            hidden = score(hidden)
         vectors = hidden.float().cpu().tolist()
         pooled = {req_ids[row]: vector for row, vector in zip(inputs.sampling_rows, vectors)}
         return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)

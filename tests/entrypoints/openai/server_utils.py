@@ -32,10 +32,10 @@ STARTUP_TIMEOUT_S = 180.0
 _LISTENING = re.compile(r"listening on (https?)://([^ ]+):(\d+)")
 
 
-def make_tiny_checkpoint(directory: str, tokenizer: Any = None) -> str:
+def make_tiny_checkpoint(directory: str, tokenizer: Any = None, **checkpoint_args: Any) -> str:
     """A random 2-layer llama with SmolLM2's vocabulary, and SmolLM2's tokenizer (and chat
     template) beside it, so the server has real text in and out (`tokenizer`: another one, the
-    vocabulary its size). Nothing downloads."""
+    vocabulary its size; `checkpoint_args`: more of `make_checkpoint`'s). Nothing downloads."""
     from transformers import AutoTokenizer
 
     from v1engine.model.hf_config import default_model_path, prepare_checkpoint
@@ -49,6 +49,7 @@ def make_tiny_checkpoint(directory: str, tokenizer: Any = None) -> str:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **checkpoint_args,
     )
     tokenizer.save_pretrained(path)
     return path

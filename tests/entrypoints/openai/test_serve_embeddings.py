@@ -195,9 +195,18 @@ def test_bad_score_requests_get_a_400_naming_the_field(server, path, body, param
 def test_a_pooling_server_refuses_to_generate(server, client):
     with pytest.raises(openai.BadRequestError, match="--runner generate"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="for /v1/embeddings, /score and /rerank"):
+    with pytest.raises(openai.BadRequestError, match="for /v1/embeddings, /classify, /score"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert client.embeddings.create(model=MODEL, input="still serving").data
+
+
+def test_an_embedding_model_does_not_classify(server):
+    response = httpx.post(
+        server.url + "/classify", json={"model": MODEL, "input": "hi"}, timeout=scaled(60)
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "model", error
+    assert "embeds: classification needs a *ForSequenceClassification" in error["message"]
 
 
 def test_a_generating_server_refuses_to_embed(tiny_model, tmp_path_factory):
@@ -205,7 +214,10 @@ def test_a_generating_server_refuses_to_embed(tiny_model, tmp_path_factory):
         client = openai_client(remote)
         with pytest.raises(openai.BadRequestError, match="restart it with --runner pooling"):
             client.embeddings.create(model=MODEL, input="hi")
-        body = {"model": MODEL, "query": "a", "documents": ["b"]}
-        refused = httpx.post(remote.url + "/rerank", json=body, timeout=scaled(60))
-        assert refused.status_code == 400 and "--runner pooling" in refused.text
+        for path, body in [
+            ("/rerank", {"model": MODEL, "query": "a", "documents": ["b"]}),
+            ("/classify", {"model": MODEL, "input": "a"}),
+        ]:
+            refused = httpx.post(remote.url + path, json=body, timeout=scaled(60))
+            assert refused.status_code == 400 and "--runner pooling" in refused.text
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices

@@ -44,10 +44,11 @@ from v1engine.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from v1engine.entrypoints.openai.protocol_pooling import ClassificationRequest, EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from v1engine.entrypoints.openai.serving_classification import OpenAIServingClassification
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.entrypoints.openai.serving_options import ServingOptions
@@ -73,6 +74,7 @@ class ServerState:
     chat: OpenAIServingChat
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
+    classification: OpenAIServingClassification
     tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     model_path: str
@@ -158,6 +160,12 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> R
 @router.post("/v1/score")
 async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
     return await _state(raw_request).score.create_score(request, raw_request)
+
+
+@router.post("/classify")
+@router.post("/v1/classify")
+async def create_classification(request: ClassificationRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).classification.create_classification(request, raw_request)
 
 
 @router.post("/rerank")
@@ -273,6 +281,7 @@ def build_state(
         chat=OpenAIServingChat(*serving_args),
         embedding=OpenAIServingEmbedding(*serving_args),
         score=OpenAIServingScore(*serving_args),
+        classification=OpenAIServingClassification(*serving_args),
         tokenization=OpenAIServingTokenization(*serving_args),
         metrics=engine.metrics,
         model_path=model_path,

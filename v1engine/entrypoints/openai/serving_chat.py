@@ -31,7 +31,7 @@ from v1engine.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from v1engine.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from v1engine.entrypoints.openai.protocol_pooling import EmbeddingRequest
 from v1engine.entrypoints.openai.protocol_tokenize import TokenizeRequest
 from v1engine.entrypoints.openai.reasoning import (
     ReasoningStream,

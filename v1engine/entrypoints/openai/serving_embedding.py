@@ -20,12 +20,14 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from v1engine.engine.pooling_state import PooledOutput
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import UsageInfo
-from v1engine.entrypoints.openai.protocol_embedding import (
+from v1engine.entrypoints.openai.protocol_pooling import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
+    PoolingRequest,
 )
 from v1engine.entrypoints.openai.serving_chat import render_messages, require_one_form
 from v1engine.entrypoints.openai.serving_engine import (
@@ -33,7 +35,7 @@ from v1engine.entrypoints.openai.serving_engine import (
     OpenAIServing,
     client_request_id,
 )
-from v1engine.outputs import EmbeddingRequestOutput, RequestOutput
+from v1engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from v1engine.pooling_params import PoolingParams
 
 
@@ -42,46 +44,50 @@ class OpenAIServingEmbedding(OpenAIServing):
         self, request: EmbeddingRequest, raw_request: Request
     ) -> JSONResponse:
         """Raises APIError (400, 404, 503) before anything is computed."""
-        request_id, embedded = await self.embed(
-            request, raw_request, "embd", lambda: self._tokenize(request), "input"
-        )
+        request_id, embedded = await self.pool(request, raw_request, "embd", "embed")
         response = _response(request_id, self.model_name, embedded, request.encoding_format)
         return JSONResponse(response.model_dump())
 
-    async def embed(
+    async def pool(
         self,
         request: Any,
         raw_request: Request,
         prefix: str,
-        tokenize: Callable[[], list[list[int]]],
-        param: str,
-    ) -> tuple[str, list[EmbeddingRequestOutput]]:
-        """What every pooling endpoint does: checks the request (model, runner, priority, id,
-        pooling params), tokenizes it in a thread (`tokenize`: one token-id list per input),
-        adds one engine request per input named f"{prefix}-..." (a refused one is a 400 naming
-        `param`) and returns the request's id and each input's embedding, in order.
+        task: str,
+        tokenize: Callable[[], list[list[int]]] | None = None,
+        param: str = "input",
+    ) -> tuple[str, list[PooledOutput]]:
+        """What every pooling endpoint does: checks the request (model, runner, the model's
+        `task`, priority, id, pooling params), tokenizes it in a thread (`tokenize`: one
+        token-id list per input; default: its `input` or `messages`), adds one engine request
+        per input named f"{prefix}-..." (a refused one is a 400 naming `param`) and returns the
+        request's id and each input's result, in order.
 
         Raises:
             APIError: 400, 404, 503 as `add_requests`; 500 for an input the engine ended
-                without an embedding.
+                without a result.
         """
         self.check_model_and_runner(request, "pooling")
+        try:
+            self.engine.processor.check_pooling_task(task)
+        except ValueError as e:
+            raise APIError(str(e), param="model") from e
         self.check_priority(request.priority)
         client_id = client_request_id(request, raw_request)
         params = _pooling_params(request)
-        token_ids = await asyncio.to_thread(tokenize)
+        token_ids = await asyncio.to_thread(tokenize or (lambda: self._tokenize(request, task)))
         inputs = [EngineInput(None, ids, params, request.priority) for ids in token_ids]
         request_id, runs = await self.add_requests(prefix, client_id, inputs, "final", param)
         finals = await self.wait_for_final_outputs(runs, raw_request)
-        return request_id, [_embedding_of(final, index) for index, final in enumerate(finals)]
+        return request_id, [_pooled_of(final, index) for index, final in enumerate(finals)]
 
-    def _tokenize(self, request: EmbeddingRequest) -> list[list[int]]:
+    def _tokenize(self, request: PoolingRequest, task: str) -> list[list[int]]:
         """Each input's token ids (the chat form's one)."""
-        require_one_form(request, "input", "texts or token ids", "embed")
+        require_one_form(request, "input", "texts or token ids", task)
         if request.messages is not None:
             return [render_messages(self.engine.processor, request, self.options.chat_template)[1]]
         for name in _CHAT_FORM_FIELDS:  # they shape a template that `input` does not go through
-            if getattr(request, name) != EmbeddingRequest.model_fields[name].default:
+            if getattr(request, name) != PoolingRequest.model_fields[name].default:
                 raise APIError(f"{name} applies to `messages` only, not to `input`", param=name)
         add_special_tokens = request.add_special_tokens is not False
         return [
@@ -102,26 +108,25 @@ _CHAT_FORM_FIELDS = (
 
 def _pooling_params(request: Any) -> PoolingParams:
     """The request's PoolingParams (its `dimensions`, `normalize`, `truncate_prompt_tokens`,
-    those it has). Raises APIError 400 naming the field at fault."""
+    `use_activation`, those it has). Raises APIError 400 naming the field at fault."""
     try:
         return PoolingParams(
             getattr(request, "dimensions", None),
             getattr(request, "normalize", None),
             request.truncate_prompt_tokens,
+            getattr(request, "use_activation", None),
         )
     except ValueError as e:
         raise APIError.bad_request(e) from e
 
 
-def _embedding_of(
-    final: EmbeddingRequestOutput | RequestOutput, index: int
-) -> EmbeddingRequestOutput:
-    """Input `index`'s embedding. Raises APIError 500 where the engine ended it without one
-    (it refused it, and logged why)."""
-    if isinstance(final, EmbeddingRequestOutput):
+def _pooled_of(final: PooledOutput | RequestOutput, index: int) -> PooledOutput:
+    """Input `index`'s result. Raises APIError 500 where the engine ended it without one (it
+    refused it, and logged why)."""
+    if isinstance(final, PoolingRequestOutput):
         return final
     raise APIError(
-        f"input {index} ended ({final.outputs[0].finish_reason}) without an embedding",
+        f"input {index} ended ({final.outputs[0].finish_reason}) without a result",
         HTTPStatus.INTERNAL_SERVER_ERROR,
         type="server_error",
     )

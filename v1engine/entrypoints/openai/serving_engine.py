@@ -48,7 +48,7 @@ logger = init_logger(__name__)
 # What a server serves, by how its model runs (--runner).
 _APIS_BY_RUNNER = {
     "generate": "/v1/completions and /v1/chat/completions",
-    "pooling": "/v1/embeddings, /score and /rerank",
+    "pooling": "/v1/embeddings, /classify, /score and /rerank",
 }
 
 

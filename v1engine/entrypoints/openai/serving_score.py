@@ -12,7 +12,14 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from v1engine.engine.scoring import distinct_texts, score_outputs, score_pairs
+from v1engine.engine.scoring import (
+    check_cross_encoder,
+    cross_encoder_inputs,
+    cross_encoder_scores,
+    distinct_texts,
+    score_outputs,
+    score_pairs,
+)
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import UsageInfo
 from v1engine.entrypoints.openai.protocol_score import (
@@ -76,10 +83,28 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         prefix: str,
         pairs: list[tuple[str, str]],
     ) -> tuple[str, list[ScoringRequestOutput]]:
-        """Embeds each distinct text of the pairs once; returns the request's id and each
-        pair's score."""
+        """Returns the request's id and each pair's score: a cross-encoder's of the pair, or
+        from the embeddings of each distinct text (embedded once)."""
+        if self.engine.processor.pooling_task == "classify":
+            try:
+                check_cross_encoder(self.engine.config.model_config.hf_config)
+            except ValueError as e:
+                raise APIError(str(e), param="model") from e
+            request_id, classified = await self.pool(
+                request,
+                raw_request,
+                prefix,
+                "classify",
+                lambda: cross_encoder_inputs(self.tokenizer, pairs),
+                "text",
+            )
+            return request_id, cross_encoder_scores(classified)
         texts = distinct_texts(pairs)
-        request_id, embedded = await self.embed(
-            request, raw_request, prefix, lambda: [self.tokenizer.encode(t) for t in texts], "text"
+
+        def tokenize() -> list[list[int]]:
+            return [self.tokenizer.encode(text) for text in texts]
+
+        request_id, embedded = await self.pool(
+            request, raw_request, prefix, "embed", tokenize, "text"
         )
         return request_id, score_outputs(pairs, dict(zip(texts, embedded)))

@@ -128,10 +128,14 @@ def log_startup_line(
     url_scheme: str, address: tuple, model: str, names: list[str], config: Any, kv: str
 ) -> None:
     """The one line that says where the server listens and what it serves."""
-    from v1engine.model.hf_config import resolve_dtype
+    from v1engine.model.hf_config import pooling_task, resolve_dtype
 
     device_type = config.device_config.device_type
-    dtype = resolve_dtype(config.model_config.hf_config, config.model_config.dtype, device_type)
+    hf_config = config.model_config.hf_config
+    dtype = resolve_dtype(hf_config, config.model_config.dtype, device_type)
+    runner = config.model_config.runner_type
+    if runner == "pooling":
+        runner += f" ({pooling_task(hf_config)})"  # what the pooling endpoints get
     host, port = address[0], address[1]
     host = f"[{host}]" if ":" in host else host
     logger.info(
@@ -145,6 +149,6 @@ def log_startup_line(
         config.parallel_config.tensor_parallel_size,
         device_type,
         str(dtype).removeprefix("torch."),
-        config.model_config.runner_type,
+        runner,
         kv,
     )

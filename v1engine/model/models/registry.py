@@ -29,6 +29,18 @@ _BASE_MODELS = {
     "Qwen3Model": "Qwen3ForCausalLM",
 }
 
+# Sequence classifiers (transformers' AutoModelForSequenceClassification: `model.*` tensors and a
+# `score` head of [num_labels, hidden_size]), which classify only (--runner pooling, task
+# "classify"): each runs as its family's causal class, headless as a base model, with the
+# `score` head added by `load_model`.
+_CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
+_HEADLESS = _BASE_MODELS | _CLASSIFIERS
+
 # GGUF metadata carries a model_type but no `architectures`.
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -39,12 +51,22 @@ _MODEL_TYPE_TO_ARCH = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS | _BASE_MODELS)
+    return sorted(_MODELS | _HEADLESS)
 
 
 def is_base_model(architecture: str) -> bool:
-    """Whether the architecture has no LM head (it can embed, not generate)."""
+    """Whether the architecture is a base model: no LM head, no `model.` prefix (it embeds)."""
     return architecture in _BASE_MODELS
+
+
+def is_classifier(architecture: str) -> bool:
+    """Whether the architecture is a sequence classifier (it classifies)."""
+    return architecture in _CLASSIFIERS
+
+
+def has_lm_head(architecture: str) -> bool:
+    """Whether the architecture has an LM head (it can generate)."""
+    return architecture not in _HEADLESS
 
 
 def architecture_for_model_type(model_type: str | None) -> str | None:
@@ -52,7 +74,7 @@ def architecture_for_model_type(model_type: str | None) -> str | None:
 
 
 def check_architecture(architecture: str) -> None:
-    if architecture not in _MODELS and architecture not in _BASE_MODELS:
+    if architecture not in _MODELS and architecture not in _HEADLESS:
         raise ValueError(
             f"model architecture {architecture!r} is not supported; supported architectures: "
             f"{supported_architectures()}"
@@ -61,5 +83,5 @@ def check_architecture(architecture: str) -> None:
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     check_architecture(architecture)
-    module_name, class_name = _MODELS[_BASE_MODELS.get(architecture, architecture)].split(":")
+    module_name, class_name = _MODELS[_HEADLESS.get(architecture, architecture)].split(":")
     return getattr(importlib.import_module(module_name), class_name)
