@@ -125,3 +125,13 @@ def test_activations_are_exact_and_never_overflow():
     assert math.isclose(math.fsum(params.classify([0.3, -1.2, 2.5], "softmax")), 1.0)
     assert params.classify([0.3, -1.2], "none") == [0.3, -1.2]
     assert PoolingParams(use_activation=False).classify([0.3, -1.2], "softmax") == [0.3, -1.2]
+
+
+def test_a_qwen3_classifier_matches_transformers(tmp_path):
+    # Another family (q/k norms, tied embeddings): the same score head on its causal class.
+    path = make_checkpoint(tmp_path, "qwen3", classifier=True, id2label=LABELS)
+    hf_model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    prompt = list(range(3, 30))
+    with make_llm(path) as llm:
+        probs = llm.classify([prompt], use_tqdm=False)[0].outputs.probs
+    assert_close(probs, torch.softmax(hf_logits(hf_model.eval(), prompt), dim=-1))
