@@ -6,6 +6,9 @@ each input is one engine request (`AsyncLLM.encode`), added together. An embeddi
 input token's final hidden state, L2-normalized unless `normalize: false` (see
 v1engine/pooling_params.py); `encoding_format: "base64"` sends its float32 bytes instead of a
 JSON list, as OpenAI does (its Python client asks for base64 by default and decodes it).
+
+`OpenAIServingEmbedding.pool` is every pooling endpoint's pipeline (/classify and /score
+subclass this class).
 """
 
 from __future__ import annotations
