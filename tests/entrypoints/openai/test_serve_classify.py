@@ -1,9 +1,9 @@
 """`POST /classify`, and `/score` and `/rerank` with a cross-encoder, on a real `python -m
 v1engine.serve` of a one-class sequence classifier (a tiny random `LlamaForSequenceClassification`
 with SmolLM2's tokenizer; `--runner auto` pools it), over plain HTTP: each input's score is
-transformers' sigmoid of the classifier's logit at its last token, named by config.json's label;
-text pairs are scored as one input of the tokenizer's pair encoding; the classifier refuses to
-embed, and bad input gets a 400 naming the field.
+transformers' sigmoid of the classifier's logit at its last token (a chat: the rendered one),
+named by config.json's label; text pairs are scored as one input of the tokenizer's pair
+encoding; the classifier refuses to embed, and bad input gets a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -71,6 +71,17 @@ def test_token_ids_and_the_raw_logits(server, hf_model):
     ids = [5, 17, 300, 42]
     item = _post(server, "/classify", {"input": ids, "use_activation": False}).json()["data"][0]
     assert item["probs"] == pytest.approx([expected_logit(hf_model, ids)], abs=2e-5)
+
+
+def test_the_chat_form_classifies_the_rendered_conversation(server, tokenizer, hf_model):
+    messages = [{"role": "user", "content": "Is a cat a feline?"}]
+    body = _post(server, "/classify", {"messages": messages}).json()
+    # vLLM's chat-form defaults: no assistant turn opened, no special tokens added.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(token_ids)
+    expected = torch.sigmoid(torch.tensor(expected_logit(hf_model, token_ids))).item()
+    assert body["data"][0]["probs"] == pytest.approx([expected], abs=2e-5)
 
 
 @pytest.mark.parametrize("path", ["/score", "/v1/score"])
