@@ -72,37 +72,62 @@ def score_outputs(
     return outputs
 
 
-def check_cross_encoder(hf_config: Any) -> None:
-    """Raises ValueError unless the classifier has one class (it is a cross-encoder)."""
-    num_classes = len(classifier_labels(hf_config))
-    if num_classes != 1:
-        raise ValueError(
-            f"scoring text pairs needs an embedding model or a cross-encoder (a classifier of "
-            f"one class); this classifier has {num_classes} classes: use classify instead"
-        )
+class PairScorer:
+    """How this engine's pooling model scores text pairs, one plan for `LLM.score` and the
+    server alike: pool `token_ids()` (each input, in order) for `task`, then `scores(pooled)`.
 
-
-def cross_encoder_inputs(tokenizer: Any, pairs: list[tuple[str, str]]) -> list[list[int]]:
-    """Each pair's token ids as one cross-encoder input (the tokenizer's pair encoding).
-
-    Raises:
-        ValueError: there is no tokenizer.
+    Raises (on construction):
+        ValueError: the model is a classifier of more than one class (no cross-encoder).
     """
-    if tokenizer is None:
-        raise ValueError("scoring text pairs needs the tokenizer (skip_tokenizer_init is set)")
-    return [tokenizer(first, text_pair=second)["input_ids"] for first, second in pairs]
+
+    def __init__(
+        self,
+        pairs: list[tuple[str, str]],
+        pooling_task: str | None,
+        hf_config: Any,
+        tokenizer: Any,
+    ) -> None:
+        self.pairs = pairs
+        self.tokenizer = tokenizer
+        self.cross_encoder = pooling_task == "classify"
+        if self.cross_encoder:
+            num_classes = len(classifier_labels(hf_config))
+            if num_classes != 1:
+                raise ValueError(
+                    "scoring text pairs needs an embedding model or a cross-encoder (a "
+                    f"classifier of one class); this classifier has {num_classes} classes: use "
+                    "classify instead"
+                )
+        self.task = "classify" if self.cross_encoder else "embed"
+        # An embedding model embeds each distinct text once.
+        self.texts = None if self.cross_encoder else distinct_texts(pairs)
+
+    def token_ids(self) -> list[list[int]]:
+        """The inputs to pool: each pair as one input (a cross-encoder's, the tokenizer's pair
+        encoding), or each distinct text.
+
+        Raises:
+            ValueError: there is no tokenizer.
+        """
+        if self.tokenizer is None:
+            raise ValueError("scoring text pairs needs the tokenizer (skip_tokenizer_init is set)")
+        if self.cross_encoder:
+            return [self.tokenizer(a, text_pair=b)["input_ids"] for a, b in self.pairs]
+        return [self.tokenizer.encode(text) for text in self.texts]
+
+    def scores(
+        self, pooled: list[EmbeddingRequestOutput] | list[ClassificationRequestOutput]
+    ) -> list[ScoringRequestOutput]:
+        """One output per pair, from the pooled inputs (in `token_ids()` order)."""
+        if self.cross_encoder:
+            return [_cross_encoder_score(output) for output in pooled]
+        return score_outputs(self.pairs, dict(zip(self.texts, pooled)))
 
 
-def cross_encoder_scores(
-    classified: list[ClassificationRequestOutput],
-) -> list[ScoringRequestOutput]:
-    """One output per pair, its cross-encoder input classified."""
-    return [
-        ScoringRequestOutput(
-            request_id=output.request_id,
-            outputs=ScoringOutput(output.outputs.probs[0]),
-            prompt_token_ids=output.prompt_token_ids,
-            num_cached_tokens=output.num_cached_tokens,
-        )
-        for output in classified
-    ]
+def _cross_encoder_score(output: ClassificationRequestOutput) -> ScoringRequestOutput:
+    return ScoringRequestOutput(
+        request_id=output.request_id,
+        outputs=ScoringOutput(output.outputs.probs[0]),
+        prompt_token_ids=output.prompt_token_ids,
+        num_cached_tokens=output.num_cached_tokens,
+    )

@@ -22,14 +22,7 @@ from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.generation_defaults import describe
 from v1engine.engine.output_processor import OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
-from v1engine.engine.scoring import (
-    check_cross_encoder,
-    cross_encoder_inputs,
-    cross_encoder_scores,
-    distinct_texts,
-    score_outputs,
-    score_pairs,
-)
+from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
 from v1engine.outputs import (
@@ -277,16 +270,12 @@ class LLM:
         Raises:
             ValueError: texts that do not pair, a classifier of several classes, or as `embed`.
         """
-        pairs, cut = score_pairs(data_1, data_2), truncate_prompt_tokens
-        if self.processor.pooling_task == "classify":
-            check_cross_encoder(self.config.model_config.hf_config)
-            inputs = cross_encoder_inputs(self.tokenizer, pairs)
-            prompts = [{"prompt_token_ids": ids} for ids in inputs]
-            classified = self.classify(prompts, truncate_prompt_tokens=cut, use_tqdm=use_tqdm)
-            return cross_encoder_scores(classified)
-        texts = distinct_texts(pairs)
-        embedded = self.embed(texts, truncate_prompt_tokens=cut, use_tqdm=use_tqdm)
-        return score_outputs(pairs, dict(zip(texts, embedded)))
+        hf_config = self.config.model_config.hf_config
+        pairs = score_pairs(data_1, data_2)
+        scorer = PairScorer(pairs, self.processor.pooling_task, hf_config, self.tokenizer)
+        prompts = [{"prompt_token_ids": ids} for ids in scorer.token_ids()]
+        pooled = self._pool(prompts, None, truncate_prompt_tokens, use_tqdm, scorer.task)
+        return scorer.scores(pooled)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's recommended

@@ -1,8 +1,9 @@
-"""POST /score and /rerank (vLLM's, also under /v1, and /v2/rerank): text pairs scored by an
-embedding model, served with `--runner pooling`.
+"""POST /score and /rerank (vLLM's, also under /v1, and /v2/rerank): text pairs scored by a
+pooling model (`--runner pooling`).
 
-A score is the cosine similarity of the two texts' embeddings (engine/scoring.py, shared with
-`LLM.score`); each distinct text is one engine request, added together. /rerank scores the query
+A score is the cosine similarity of the two texts' embeddings, or a cross-encoder's score of the
+pair (`engine/scoring.PairScorer`, shared with `LLM.score`); each input is one engine request,
+added together. /rerank scores the query
 against each document and returns them best first, the first `top_n` (0: all). Usage counts
 both texts' tokens per pair, as vLLM does.
 """
@@ -12,14 +13,7 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from v1engine.engine.scoring import (
-    check_cross_encoder,
-    cross_encoder_inputs,
-    cross_encoder_scores,
-    distinct_texts,
-    score_outputs,
-    score_pairs,
-)
+from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import UsageInfo
 from v1engine.entrypoints.openai.protocol_score import (
@@ -83,28 +77,14 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         prefix: str,
         pairs: list[tuple[str, str]],
     ) -> tuple[str, list[ScoringRequestOutput]]:
-        """Returns the request's id and each pair's score: a cross-encoder's of the pair, or
-        from the embeddings of each distinct text (embedded once)."""
-        if self.engine.processor.pooling_task == "classify":
-            try:
-                check_cross_encoder(self.engine.config.model_config.hf_config)
-            except ValueError as e:
-                raise APIError(str(e), param="model") from e
-            request_id, classified = await self.pool(
-                request,
-                raw_request,
-                prefix,
-                "classify",
-                lambda: cross_encoder_inputs(self.tokenizer, pairs),
-                "text",
-            )
-            return request_id, cross_encoder_scores(classified)
-        texts = distinct_texts(pairs)
-
-        def tokenize() -> list[list[int]]:
-            return [self.tokenizer.encode(text) for text in texts]
-
-        request_id, embedded = await self.pool(
-            request, raw_request, prefix, "embed", tokenize, "text"
+        """Returns the request's id and each pair's score (see `PairScorer`)."""
+        hf_config = self.engine.config.model_config.hf_config
+        pooling_task = self.engine.processor.pooling_task
+        try:
+            scorer = PairScorer(pairs, pooling_task, hf_config, self.tokenizer)
+        except ValueError as e:
+            raise APIError(str(e), param="model") from e
+        request_id, pooled = await self.pool(
+            request, raw_request, prefix, scorer.task, scorer.token_ids, "text"
         )
-        return request_id, score_outputs(pairs, dict(zip(texts, embedded)))
+        return request_id, scorer.scores(pooled)
