@@ -18,8 +18,9 @@ DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "ray")
 # vLLM's: first come, first served, or by each request's priority (lower first), then arrival.
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# vLLM's --runner: "generate" samples tokens, "pooling" embeds each prompt (pooling_params.py);
-# "auto" generates with a causal LM and pools with a base model (`hf_config.resolve_runner`).
+# vLLM's --runner: "generate" samples tokens, "pooling" embeds or classifies each prompt
+# (pooling_params.py); "auto" generates with a causal LM and pools with a base model or a
+# sequence classifier (`hf_config.resolve_runner`).
 RUNNER_TYPES = ("auto", "generate", "pooling")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
 

@@ -11,10 +11,11 @@ schema, regex or grammar is refused here with a ValueError naming it), register 
 as the core is), and a ValueError raised for a child is re-raised by the caller with the parent's
 id (`as_parent_error`); the caller then calls `abort` to forget what was registered.
 
-A pooling engine (`runner="pooling"`) takes embedding requests instead (`process_pooling`): one
-core request each, a one-token generation to the scheduler, whose token the workers replace with
-the prompt's last hidden state (see pooling_params.py). Each engine serves one kind; the other
-is refused with a ValueError naming `--runner`.
+A pooling engine (`runner="pooling"`) takes embedding or classification requests instead
+(`process_pooling`, the model's task only): one core request each, a one-token generation to the
+scheduler, whose token the workers replace with the prompt's last hidden state or a classifier's
+class logits (see pooling_params.py). Each engine serves one kind; the other is refused with a
+ValueError naming `--runner`.
 """
 
 from __future__ import annotations

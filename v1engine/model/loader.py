@@ -89,7 +89,7 @@ def load_model(
     pooling: bool = False,
 ) -> nn.Module:
     """The model for `hf_config`, built on `device` in `dtype`, with this rank's weights loaded
-    (`pooling`: it only embeds, so its LM head gets no packed copy for the CPU gemm).
+    (`pooling`: it only pools, so its LM head gets no packed copy for the CPU gemm).
 
     `checkpoint_dir` is an HF directory, or a .gguf file (converted once, see
     `prepare_checkpoint`). Raises RuntimeError/ValueError naming the missing file or tensor when

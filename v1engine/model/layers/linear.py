@@ -222,7 +222,7 @@ def pack_cpu_weights(model: nn.Module, with_lm_head: bool = True) -> None:
     float32 weights are held twice on CPU, for decode steps of 2 to 32 requests 1.05-1.35x
     faster (cpu_gemm_packed.c). Skipped, with a warning, where the copies would take more than
     half of the memory still available: the layers then run the tiled gemm. `with_lm_head=False`
-    (a model that only embeds) leaves the LM head unpacked."""
+    (a model that only pools) leaves the LM head unpacked."""
     kinds = (LinearBase, ParallelLMHead) if with_lm_head else LinearBase
     layers = [m for m in model.modules() if isinstance(m, kinds) and _packs(m.weight)]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in layers)

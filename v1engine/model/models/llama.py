@@ -226,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, hf_config: Any, dtype: torch.dtype = torch.float32, has_lm_head: bool = True
     ) -> None:
-        """`has_lm_head=False`: a base model (embeddings only), whose LM head is the embedding,
-        tied, so that profiling can run it and it holds no memory of its own."""
+        """`has_lm_head=False`: a base model or a sequence classifier (it pools), whose LM head
+        is the embedding, tied, so that profiling can run it and it holds no memory of its own."""
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
