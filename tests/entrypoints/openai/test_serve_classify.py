@@ -95,6 +95,13 @@ def test_score_reads_each_pair_as_one_input(server, tokenizer, hf_model, path):
     assert body["usage"]["prompt_tokens"] == pair_tokens
 
 
+def test_use_activation_false_scores_with_the_raw_logit(server, tokenizer, hf_model):
+    body = {"text_1": QUERY, "text_2": DOCUMENTS[0], "use_activation": False}
+    item = _post(server, "/score", body).json()["data"][0]
+    ids = tokenizer(QUERY, text_pair=DOCUMENTS[0])["input_ids"]
+    assert item["score"] == pytest.approx(expected_logit(hf_model, ids), abs=2e-5)
+
+
 def test_rerank_orders_documents_by_the_cross_encoders_score(server, tokenizer, hf_model):
     body = _post(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}).json()
     scores = [

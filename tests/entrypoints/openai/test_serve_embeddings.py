@@ -183,6 +183,12 @@ def test_rerank_returns_the_documents_best_first(server, tokenizer, hf_model, pa
         ("/score", {"text_1": "a", "text_2": [""]}, "text", "the prompt is empty"),
         ("/rerank", {"query": "a", "documents": []}, "documents", "must not be empty"),
         ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n must be"),
+        (
+            "/score",
+            {"text_1": "a", "text_2": "b", "use_activation": False},
+            "use_activation",
+            "is for classifiers",
+        ),
     ],
 )
 def test_bad_score_requests_get_a_400_naming_the_field(server, path, body, param, words):

@@ -19,6 +19,8 @@ class ScoreRequest(_NotesIgnoredFields):
     truncate_prompt_tokens: Int64 | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # A cross-encoder's: False scores with its raw logit (embedding models refuse it).
+    use_activation: bool | None = None
 
 
 class ScoreData(BaseModel):
@@ -44,6 +46,8 @@ class RerankRequest(_NotesIgnoredFields):
     truncate_prompt_tokens: Int64 | None = None
     priority: Int64 = 0
     request_id: str | None = None
+    # A cross-encoder's: False scores with its raw logit (embedding models refuse it).
+    use_activation: bool | None = None
 
 
 class RerankDocument(BaseModel):
