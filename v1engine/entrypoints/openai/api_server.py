@@ -317,6 +317,10 @@ async def serve(
         kv = describe_kv_capacity(engine.client.info)
         names = state.completion.served_model_names
         scheme = "https" if args.ssl_keyfile else "http"
+        # Listen before saying so: uvicorn only listens once it has set up (TLS takes a
+        # while), and a client acting on the line meanwhile would be refused. Connections now
+        # wait in the backlog until uvicorn accepts them.
+        sock.listen(server.config.backlog)
         log_startup_line(scheme, sock.getsockname(), state.model_path, names, config, kv)
         # uvicorn handles SIGINT/SIGTERM while serving, then restores these handlers and
         # re-raises the signal it caught: that must not kill the process before clean-up.

@@ -81,8 +81,9 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket, bound before the engine starts so a busy port fails at once
-    (port 0 picks a free one; the start-up line shows which).
+    """A TCP socket, bound before the engine starts so a busy port fails at once (port 0 picks
+    a free one; the start-up line shows which); `serve` listens on it once the engine is ready,
+    so that until then a client is refused at once rather than left waiting.
 
     Raises:
         RuntimeError: the address cannot be bound, naming it and the fix.
