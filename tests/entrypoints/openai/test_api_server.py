@@ -23,6 +23,7 @@ from v1engine.entrypoints.openai.api_server import build_app, build_state
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.protocol import CompletionResponse
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.executor.errors import RemoteFailure, WorkerError
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from v1engine.sampling_params import SamplingParams
@@ -265,3 +266,8 @@ def test_every_engine_arg_and_request_limit_is_a_flag():
     assert RequestLimits.from_cli_args(args) == RequestLimits()
     with pytest.raises(ValueError, match="--max-request-body-bytes must be >= 1"):
         RequestLimits(max_request_body_bytes=0)
+    options = ServingOptions.from_cli_args(parser.parse_args(["--max-stored-responses", "7"]))
+    assert options.max_stored_responses == 7
+    assert ServingOptions.from_cli_args(args) == ServingOptions()
+    with pytest.raises(ValueError, match="--max-stored-responses must be >= 0, got -1"):
+        ServingOptions.from_cli_args(parser.parse_args(["--max-stored-responses", "-1"]))

@@ -47,6 +47,24 @@ def test_the_reply_is_all_reasoning_until_think_ends(client, tokenizer):
     assert not any(d.content for d in deltas)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_puts_the_thinking_in_a_reasoning_item(client, tokenizer, stream):
+    expected = _generated_text(client, tokenizer)
+    kwargs = dict(model=MODEL, input=MESSAGES, max_output_tokens=12, temperature=0)
+    if not stream:
+        response = client.responses.create(**kwargs)
+    else:
+        events = list(client.responses.create(stream=True, **kwargs))
+        response = events[-1].response
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(deltas) == expected
+        assert not [e for e in events if e.type == "response.output_text.delta"]
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == expected
+    # Cut while thinking: the reply's message is empty.
+    assert message.type == "message" and response.output_text == ""
+
+
 def test_a_json_constrained_reply_is_all_content(client):
     reply = client.chat.completions.create(
         model=MODEL,

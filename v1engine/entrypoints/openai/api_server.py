@@ -45,6 +45,7 @@ from v1engine.entrypoints.openai.protocol import (
     ModelList,
 )
 from v1engine.entrypoints.openai.protocol_pooling import ClassificationRequest, EmbeddingRequest
+from v1engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from v1engine.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -52,6 +53,7 @@ from v1engine.entrypoints.openai.serving_classification import OpenAIServingClas
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
@@ -72,6 +74,7 @@ class ServerState:
     engine: AsyncLLM
     completion: OpenAIServingCompletion
     chat: OpenAIServingChat
+    responses: OpenAIServingResponses
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
     classification: OpenAIServingClassification
@@ -147,6 +150,21 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await _state(raw_request).chat.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).responses.create_response(request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> Response:
+    return _state(raw_request).responses.retrieve(response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request) -> Response:
+    return _state(raw_request).responses.delete(response_id)
 
 
 @router.post("/v1/embeddings")
@@ -274,11 +292,14 @@ def build_state(
 ) -> ServerState:
     max_model_len = engine.config.scheduler_config.max_model_len
     limits = limits or RequestLimits()
+    options = options or ServingOptions()
     serving_args = (engine, tokenizer, names, max_model_len, limits, options)
+    chat = OpenAIServingChat(*serving_args)
     return ServerState(
         engine=engine,
         completion=OpenAIServingCompletion(*serving_args),
-        chat=OpenAIServingChat(*serving_args),
+        chat=chat,
+        responses=OpenAIServingResponses(chat, options.max_stored_responses),
         embedding=OpenAIServingEmbedding(*serving_args),
         score=OpenAIServingScore(*serving_args),
         classification=OpenAIServingClassification(*serving_args),

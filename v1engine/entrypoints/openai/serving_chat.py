@@ -40,7 +40,7 @@ from v1engine.entrypoints.openai.reasoning import (
     split_reasoning,
     think_end_token_id,
 )
-from v1engine.entrypoints.openai.serving_engine import OpenAIServing, client_request_id
+from v1engine.entrypoints.openai.serving_engine import EngineRun, OpenAIServing, client_request_id
 from v1engine.entrypoints.openai.serving_outputs import (
     StreamTally,
     choice_usage,
@@ -57,8 +57,19 @@ from v1engine.entrypoints.openai.tool_calls import (
     tool_call_deltas,
     tool_mode,
 )
-from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+from v1engine.outputs import CompletionOutput, Logprob
 from v1engine.structured_outputs.params import StructuredOutputsParams
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request's engine run: what its replies are read back with."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    runs: list[EngineRun]
+    mode: ToolMode | None  # how tool calls are read from the text; None: no tools
+    opened: bool | None  # None: replies are not split into reasoning; else starts thinking
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -66,6 +77,22 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         """Raises APIError (400, 404, 503) before anything is generated."""
+        run = await self.start(request, raw_request)
+        if request.stream:
+            return StreamingResponse(
+                stream_events([r for r, _ in run.runs], self.stream_chunks(run), self.abort_all),
+                media_type="text/event-stream",
+            )
+        response = await self.final_response(run, raw_request)
+        return JSONResponse(response.model_dump())
+
+    async def start(self, request: ChatCompletionRequest, raw_request: Request) -> ChatRun:
+        """Checks the request, renders its messages and adds it to the engine (the Responses
+        API runs its requests through here too).
+
+        Raises:
+            APIError: 400, 404 or 503, before anything is generated.
+        """
         self.check_request(request)
         client_id = client_request_id(request, raw_request)
         if not request.include_reasoning and self.options.reasoning_parser is None:
@@ -92,24 +119,27 @@ class OpenAIServingChat(OpenAIServing):
         request_id, runs = await self.add_requests(
             "chatcmpl", client_id, inputs, output_kind, "messages"
         )
-        if request.stream:
-            chunks = self._stream_chunks(request_id, runs[0][1], request, mode, opened)
-            return StreamingResponse(
-                stream_events([r for r, _ in runs], chunks, self.abort_all),
-                media_type="text/event-stream",
-            )
-        (final,) = await self.wait_for_final_outputs(runs, raw_request)
-        choices = [_choice(output, request, mode, opened) for output in final.outputs]
+        return ChatRun(request, request_id, runs, mode, opened)
+
+    async def final_response(self, run: ChatRun, raw_request: Request) -> ChatCompletionResponse:
+        """The whole reply of a request started with `stream: false`.
+
+        Raises:
+            APIError: 503 when the engine died, 400 when the request was aborted.
+        """
+        request = run.request
+        (final,) = await self.wait_for_final_outputs(run.runs, raw_request)
+        choices = [_choice(output, request, run.mode, run.opened) for output in final.outputs]
         usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
         response = ChatCompletionResponse(
-            id=request_id,
+            id=run.request_id,
             model=self.model_name,
             choices=choices,
             usage=usage,
         )
         if final.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_field(final.prompt_logprobs)
-        return JSONResponse(response.model_dump())
+        return response
 
     def _plan_reasoning(
         self, prompt: str, constraint: StructuredOutputsParams | None
@@ -134,24 +164,19 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("messages must not be empty", param="messages")
         return render_messages(self.engine.processor, request, self.options.chat_template)
 
-    async def _stream_chunks(
-        self,
-        request_id: str,
-        outputs: AsyncIterator[RequestOutput],
-        request: ChatCompletionRequest,
-        mode: ToolMode | None,
-        opened: bool | None,
-    ) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionChunk]:
+        """The chunks of a request started with `stream: true`."""
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
         # chunk of a choice carries its finish_reason. Tool calls are sent when their choice
         # ends (their text is read back whole). As vLLM, the role deltas go with the first
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
         # With a reasoning parser, each delta's thinking goes in `reasoning` as it comes.
+        request, request_id, mode, opened = run.request, run.request_id, run.mode, run.opened
         tally = StreamTally()
         tool_streams: dict[int, ToolCallStream] = {}
         streams: dict[int, ReasoningStream] = {}
         roles_sent = False
-        async for completions in stream_steps(outputs, tally):
+        async for completions in stream_steps(run.runs[0][1], tally):
             if not roles_sent:
                 roles_sent = True
                 assert tally.last is not None

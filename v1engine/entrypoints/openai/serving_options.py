@@ -35,6 +35,9 @@ class ServingOptions:
     max_log_len: int | None = None
     # Chat replies' thinking goes to `reasoning` (reasoning.py; None: it stays in the content).
     reasoning_parser: str | None = None
+    # The Responses API keeps this many finished responses (store: true) in memory, for
+    # GET /v1/responses/{id} and previous_response_id; the least recently used go first.
+    max_stored_responses: int = 1000
 
     def log_request(
         self, engine_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
@@ -54,39 +57,7 @@ class ServingOptions:
 
     @staticmethod
     def add_cli_args(group: Any) -> None:
-        group.add_argument(
-            "--chat-template",
-            default=None,
-            help="file of a Jinja chat template to use instead of the tokenizer's",
-        )
-        group.add_argument(
-            "--structured-outputs-disable-any-whitespace",
-            action="store_true",
-            help="constrained JSON has no whitespace between tokens (a request's "
-            "structured_outputs.disable_any_whitespace overrides it)",
-        )
-        group.add_argument(
-            "--enable-auto-tool-choice",
-            action="store_true",
-            help='serve tool_choice "auto" (needs --tool-call-parser)',
-        )
-        group.add_argument(
-            "--tool-call-parser",
-            choices=tuple(TOOL_CALL_PARSERS),
-            default=None,
-            help="how tool calls are found in a model's text for tool_choice auto",
-        )
-        group.add_argument(
-            "--reasoning-parser",
-            choices=REASONING_PARSERS,
-            default=None,
-            help="put chat replies' <think> text in the message's `reasoning` field",
-        )
-        group.add_argument(
-            "--return-tokens-as-token-ids",
-            action="store_true",
-            help='logprobs name tokens "token_id:{id}" for every request, not by their text',
-        )
+        _add_output_args(group)
         group.add_argument(
             "--enable-log-requests",
             action="store_true",
@@ -98,11 +69,19 @@ class ServingOptions:
             default=None,
             help="with --enable-log-requests, the most prompt characters logged (default: all)",
         )
+        group.add_argument(
+            "--max-stored-responses",
+            type=int,
+            default=1000,
+            help="finished /v1/responses kept in memory for retrieval and previous_response_id "
+            "(0: none)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
         """Raises ValueError when the chat template file cannot be read, for
-        --enable-auto-tool-choice without --tool-call-parser, or a negative --max-log-len."""
+        --enable-auto-tool-choice without --tool-call-parser, or a negative --max-log-len or
+        --max-stored-responses."""
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
@@ -120,6 +99,10 @@ class ServingOptions:
                 ) from e
         if args.max_log_len is not None and args.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+        if args.max_stored_responses < 0:
+            raise ValueError(
+                f"--max-stored-responses must be >= 0, got {args.max_stored_responses}"
+            )
         return cls(
             template,
             args.structured_outputs_disable_any_whitespace,
@@ -128,4 +111,42 @@ class ServingOptions:
             args.enable_log_requests,
             args.max_log_len,
             args.reasoning_parser,
+            args.max_stored_responses,
         )
+
+
+def _add_output_args(group: Any) -> None:
+    """The flags that shape what replies hold: template, constraints, tools, reasoning."""
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="file of a Jinja chat template to use instead of the tokenizer's",
+    )
+    group.add_argument(
+        "--structured-outputs-disable-any-whitespace",
+        action="store_true",
+        help="constrained JSON has no whitespace between tokens (a request's "
+        "structured_outputs.disable_any_whitespace overrides it)",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=tuple(TOOL_CALL_PARSERS),
+        default=None,
+        help="how tool calls are found in a model's text for tool_choice auto",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="put chat replies' <think> text in the message's `reasoning` field",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name tokens "token_id:{id}" for every request, not by their text',
+    )

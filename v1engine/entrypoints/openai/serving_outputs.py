@@ -107,17 +107,26 @@ def sum_usage(usages: list[UsageInfo]) -> UsageInfo:
     )
 
 
+def data_event(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
 async def stream_events(
-    request_ids: list[str], chunks: AsyncIterator[BaseModel], abort: Callable[[list[str]], None]
+    request_ids: list[str],
+    chunks: AsyncIterator[T],
+    abort: Callable[[list[str]], None],
+    sse: Callable[[T], str] = data_event,
+    done: str | None = SSE_DONE,
 ) -> AsyncIterator[str]:
-    """Server-sent events of `chunks`, an engine death as an error event, then [DONE].
+    """Server-sent events of `chunks` (`sse` writes one), an engine death as an error event,
+    then `done` ([DONE] as OpenAI ends a completion stream; None: nothing).
 
     The client disconnecting cancels this generator (Starlette does), which aborts the
     request's engine requests (`abort(request_ids)`, as when it ends).
     """
     try:
         async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
+            yield sse(chunk)
     except EngineDeadError as e:
         logger.debug("stream %s ended: %s", request_ids[0], e)
         yield APIError.unavailable(e).to_sse()
@@ -126,4 +135,5 @@ async def stream_events(
         yield internal_error().to_sse()
     finally:
         abort(request_ids)
-    yield SSE_DONE
+    if done is not None:
+        yield done
