@@ -56,6 +56,7 @@ class ModelConfig:
     # Where sampling defaults come from ("auto": the model's generation_config.json, "vllm":
     # none, or a folder), and what `EngineArgs.create_engine_config` read there.
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None  # set over the file's values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     runner_type: str = "generate"  # RUNNER_TYPES but "auto", which EngineArgs resolves
 

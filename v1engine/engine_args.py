@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -61,6 +62,10 @@ class EngineArgs:
     # vLLM's: "auto" takes the model's generation_config.json sampling defaults, "vllm" none,
     # a folder that folder's file (`engine/generation_defaults.py`).
     generation_config: str = "auto"
+    # vLLM's: generation_config.json keys (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) set over those `generation_config` gives; a JSON
+    # object on the command line.
+    override_generation_config: dict[str, Any] | None = None
     # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it (it
     # refuses False, which would ask for stats it cannot give).
     disable_log_stats: bool = False
@@ -126,7 +131,10 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             hf_config=hf_config,
             generation_config=self.generation_config,
-            sampling_defaults=load_sampling_defaults(self.generation_config, self.model),
+            override_generation_config=self.override_generation_config,
+            sampling_defaults=load_sampling_defaults(
+                self.generation_config, self.model, self.override_generation_config
+            ),
             runner_type=resolve_runner(self.runner, hf_config),
         )
 
@@ -158,11 +166,24 @@ class EngineArgs:
         return cls(**kwargs)
 
 
-def _field_type(f: dataclasses.Field) -> type:
+def _field_type(f: dataclasses.Field) -> Any:
     # Annotations are strings under `from __future__ import annotations`.
     text = str(f.type)
+    if text.startswith("dict"):
+        return _json_object
     if text.startswith("int"):
         return int
     if text.startswith("float"):
         return float
     return str
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (argparse turns the ValueError into a usage error naming it)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object: {text!r}")
+    return value

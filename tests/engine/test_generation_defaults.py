@@ -66,6 +66,35 @@ def test_a_bad_source_or_file_says_what_to_do(tmp_path):
         load_sampling_defaults(_folder(tmp_path, [1, 2]), None)
 
 
+def test_overrides_set_file_keys_over_the_file_whatever_their_value(tmp_path):
+    folder = _folder(tmp_path, QWEN_LIKE)
+    overrides = {"temperature": 1.0, "max_new_tokens": 5}  # 1.0: set, though transformers'
+    defaults = load_sampling_defaults(folder, None, overrides)
+    assert (defaults["temperature"], defaults["max_tokens"], defaults["top_k"]) == (1.0, 5, 20)
+    assert load_sampling_defaults("vllm", None, {"top_p": 0.5}) == {"top_p": 0.5}
+    with pytest.raises(ValueError, match=r"keys \['do_sample'\] are not.*use temperature, top_p"):
+        load_sampling_defaults("vllm", None, {"do_sample": True})
+    with pytest.raises(
+        ValueError,
+        match="override_generation_config: SamplingParams.top_p must be.*fix the override",
+    ):
+        load_sampling_defaults(folder, None, {"top_p": 2.0})
+
+
+def test_the_override_flag_takes_a_json_object(tmp_path, capsys):
+    from v1engine.serve import make_arg_parser
+
+    parser = make_arg_parser()
+    flag = "--override-generation-config"
+    args = parser.parse_args([flag, '{"temperature": 0.5}'])
+    assert EngineArgs.from_cli_args(args).override_generation_config == {"temperature": 0.5}
+    assert parser.parse_args([]).override_generation_config is None
+    for bad in ("[1]", "{temperature: 0.5}"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, bad])
+        assert flag in capsys.readouterr().err
+
+
 def test_a_requests_own_fields_win_and_max_new_tokens_caps(tmp_path):
     defaults = {"temperature": 0.7, "top_k": 20, "min_p": 0.05, "max_tokens": 10}
     plain = CompletionRequest.model_validate({"prompt": "hi"}).to_sampling_params(100, defaults)

@@ -31,15 +31,40 @@ _FIELDS: dict[str, tuple[str, Any]] = {
 }
 
 
-def load_sampling_defaults(source: str, model: str | None) -> dict[str, Any]:
+def load_sampling_defaults(
+    source: str, model: str | None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """SamplingParams field -> the recommended value, from `source`: "auto" (the file of
     `model`, an HF directory or a GGUF file's cached conversion), "vllm" (none), or a folder
-    holding the file. Empty where the model has no such file.
+    holding the file (empty where there is no file), with `overrides` (the file's keys, vLLM's
+    --override-generation-config) set over it, whatever their value.
 
     Raises:
-        ValueError: `source` is a folder without the file, or the file is not a JSON object or
-            holds a value SamplingParams refuses.
+        ValueError: `source` is a folder without the file, the file is not a JSON object, an
+            override key is not one of the file's sampling keys, or a value is one
+            SamplingParams refuses.
     """
+    unknown = sorted(set(overrides or {}) - _FIELDS.keys())
+    if unknown:
+        raise ValueError(
+            f"override_generation_config keys {unknown} are not generation_config.json "
+            f"sampling keys; use {', '.join(_FIELDS)}"
+        )
+    defaults = _file_defaults(source, model)
+    if overrides:
+        defaults.update({_FIELDS[key][0]: value for key, value in overrides.items()})
+        _check(defaults, "override_generation_config", "fix the override")
+    return defaults
+
+
+def _check(defaults: dict[str, Any], where: str, fix: str) -> None:
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}; {fix}") from e
+
+
+def _file_defaults(source: str, model: str | None) -> dict[str, Any]:
     if source == "vllm" or (source == "auto" and model is None):
         return {}
     folder = os.path.expanduser(source)
@@ -64,10 +89,7 @@ def load_sampling_defaults(source: str, model: str | None) -> dict[str, Any]:
         for key, (field, default) in _FIELDS.items()
         if values.get(key) is not None and values[key] != default
     }
-    try:
-        SamplingParams(**defaults)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}; fix the file or pass generation_config='vllm'") from e
+    _check(defaults, path, "fix the file or pass generation_config='vllm'")
     return defaults
 
 
@@ -77,6 +99,8 @@ def describe(model_config: ModelConfig) -> str:
     settings = ", ".join(f"{name}={value}" for name, value in sorted(defaults.items()))
     source = model_config.generation_config
     where = "the model's" if source == "auto" else os.path.join(source, "")
+    if model_config.override_generation_config:
+        where = f"--override-generation-config over {where}"
     return (
         f"sampling defaults from {where}{FILE_NAME}: {settings} (for requests that set none "
         "of their own; --generation-config vllm ignores the file)"

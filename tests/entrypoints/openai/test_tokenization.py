@@ -2,7 +2,8 @@
 server (tiny random llama with SmolLM2's tokenizer and chat template): the ids are the tokenizer's
 own, chat messages are rendered exactly as /v1/chat/completions renders them, and text and chats
 round-trip through detokenize. The same server takes its sampling defaults from a
-`--generation-config` folder, and with --disable-log-stats logs no stats line.
+`--generation-config` folder (one value overridden by `--override-generation-config`), and with
+--disable-log-stats logs no stats line.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    # Sampling defaults (top_k 1, at most 7 tokens) from a folder given as --generation-config.
+    # Sampling defaults (top_k 1, at most 7 tokens) from a folder given as --generation-config,
+    # whose 9 tokens --override-generation-config lowers to 7.
     generation = tmp_path_factory.mktemp("generation")
-    (generation / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 7}')
+    (generation / "generation_config.json").write_text('{"top_k": 1, "max_new_tokens": 9}')
     args = ("--api-key", API_KEY, "--served-model-name", MODEL)
     args += ("--generation-config", str(generation), "--disable-log-stats")
+    args += ("--override-generation-config", '{"max_new_tokens": 7}')
     env = {"V1ENGINE_LOG_STATS_INTERVAL": "0.2"}  # were it on, a line every 0.2 s
     yield from serve_module(tiny_model, tmp_path_factory, *args, tp=1, env=env)
 
