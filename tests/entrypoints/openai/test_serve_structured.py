@@ -225,21 +225,34 @@ def test_named_tool_choice_calls_that_function(client) -> None:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {
     "name": "get_weather"}}])  # fmt: skip
-def test_streamed_tool_calls_concatenate_to_the_whole_result(client, tool_choice) -> None:
-    whole = chat(client, tools=TOOLS, tool_choice=tool_choice).choices[0].message
+@pytest.mark.parametrize("cut", [False, True])  # True: cut inside the first call's arguments
+def test_streamed_tool_calls_concatenate_to_the_whole_result(client, tool_choice, cut):
+    # "required" writes `[{"name":"get_weather","parameters":` first.
+    max_tokens = (6 if isinstance(tool_choice, dict) else 20) if cut else 200
+    reply = chat(client, max_tokens, tools=TOOLS, tool_choice=tool_choice).choices[0]
+    whole = reply.message
     calls: dict[int, dict] = {}
-    finish_reasons = []
-    for chunk in chat(client, tools=TOOLS, tool_choice=tool_choice, stream=True):
+    finish_reasons, argument_chunks = [], 0
+    for chunk in chat(client, max_tokens, tools=TOOLS, tool_choice=tool_choice, stream=True):
         for choice in chunk.choices:
             finish_reasons.append(choice.finish_reason)
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
-    assert [f for f in finish_reasons if f] == ["tool_calls"]
+                argument_chunks += bool(delta.function.arguments)
+    expected_finish = "length" if cut else "tool_calls"
+    assert [f for f in finish_reasons if f] == [reply.finish_reason] == [expected_finish]
     streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
     assert streamed == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
     assert all(call["id"].startswith("chatcmpl-tool-") for call in calls.values())
+    # The arguments come as they are written, not whole at the end.
+    assert argument_chunks > len(calls)
+    if cut:  # one call, its arguments begun but not whole JSON
+        ((name, arguments),) = streamed
+        assert arguments.startswith("{")
+        with pytest.raises(ValueError):
+            json.loads(arguments)
 
 
 def test_auto_without_the_parser_flags_is_vllms_400() -> None:

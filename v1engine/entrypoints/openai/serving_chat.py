@@ -54,7 +54,6 @@ from v1engine.entrypoints.openai.tool_calls import (
     decoded_tool_call,
     parse_tool_calls,
     template_tools,
-    tool_call_deltas,
     tool_mode,
 )
 from v1engine.outputs import CompletionOutput, Logprob
@@ -106,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
         mode = tool_mode(request, self.options) if request.tools or request.tool_choice else None
         if mode is not None and request.stream and request.logprobs:
-            # Tool calls stream whole when their choice ends; their tokens' logprobs would be lost.
+            # Tool-call deltas carry no logprobs: their tokens' logprobs would be lost.
             raise APIError(
                 "logprobs are not streamed with tools; send stream=false to get them",
                 param="logprobs",
@@ -167,8 +166,8 @@ class OpenAIServingChat(OpenAIServing):
     async def stream_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionChunk]:
         """The chunks of a request started with `stream: true`."""
         # As OpenAI: each choice opens with a role-only delta, then content deltas; the last
-        # chunk of a choice carries its finish_reason. Tool calls are sent when their choice
-        # ends (their text is read back whole). As vLLM, the role deltas go with the first
+        # chunk of a choice carries its finish_reason. Tool calls go as `ToolCallStream` reads
+        # them (forced ones as they are written). As vLLM, the role deltas go with the first
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
         # With a reasoning parser, each delta's thinking goes in `reasoning` as it comes.
         request, request_id, mode, opened = run.request, run.request_id, run.mode, run.opened
@@ -221,7 +220,7 @@ def _choice(
     if parsed is None:
         content, calls, finish_reason = text, [], output.finish_reason
     else:
-        (content, calls), finish_reason = parsed, "tool_calls"
+        (content, calls), finish_reason = parsed, _calls_finish_reason(output)
     if reasoning is not None and not content:
         content = None  # as vLLM: a reply that only thought has no content
     if not request.include_reasoning:
@@ -257,31 +256,34 @@ def _thinking_choice(index: int, reasoning: str) -> ChatStreamChoice:
 def _tool_stream_choices(
     completions: list[CompletionOutput], mode: ToolMode, streams: dict[int, ToolCallStream]
 ) -> list[ChatStreamChoice]:
-    """Per choice: its content as soon as it is surely not a call (`ToolCallStream`), then,
-    when it ends, its tool-call deltas and its finish. Each goes in its own chunk."""
+    """Per choice: its content as soon as it is surely not a call and its tool-call deltas as
+    they come (`ToolCallStream`), then its finish. Each goes in its own chunk."""
     choices = []
     for output in completions:
         index = output.index
         stream = streams.setdefault(index, ToolCallStream(mode))
         finished = output.finish_reason is not None
-        content = stream.feed(output.text, finished)
+        content, call_deltas = stream.feed(output.text, finished)
         if content:
             choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
-        if not finished:
-            continue
         choices.extend(
             ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
-            for call_delta in tool_call_deltas(stream.calls)
+            for call_delta in call_deltas
         )
-        choices.append(
-            ChatStreamChoice(
-                index=index,
-                delta=ChatDelta(),
-                finish_reason="tool_calls" if stream.calls else output.finish_reason,
-                stop_reason=output.stop_reason,
-            )
+        if not finished:
+            continue
+        reason = _calls_finish_reason(output) if stream.calls else output.finish_reason
+        finish = ChatStreamChoice(
+            index=index, delta=ChatDelta(), finish_reason=reason, stop_reason=output.stop_reason
         )
+        choices.append(finish)
     return choices
+
+
+def _calls_finish_reason(output: CompletionOutput) -> str:
+    """A reply with tool calls ends with "tool_calls", or "length" where max_tokens cut it (its
+    last call's arguments are then incomplete), as OpenAI says."""
+    return "length" if output.finish_reason == "length" else "tool_calls"
 
 
 def require_one_form(request: Any, field: str, what: str, action: str) -> None:

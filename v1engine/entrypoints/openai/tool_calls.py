@@ -11,11 +11,11 @@ in the text.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
+from v1engine.entrypoints.openai.forced_calls import ForcedCallReader, new_call_id
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
 from v1engine.entrypoints.openai.protocol_structured import (
     ChatTool,
@@ -101,54 +101,69 @@ def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict
 
 def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]] | None:
     """`(content, tool calls)` of a finished output, or None when it holds no calls (none the
-    parser finds, for "auto"; not whole JSON, cut off by max_tokens, for the others): then it
-    is all content."""
+    parser finds, for "auto"; no call named yet, for the forced choices): then it is all
+    content. A forced call cut by max_tokens keeps the arguments written so far, as OpenAI
+    returns them."""
     if mode.parser is not None:
         content, calls = TOOL_CALL_PARSERS[mode.parser](text)
         if not calls:
             return None
-    else:
-        content = None
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if mode.named is not None:
-            calls = [(mode.named, text)]
-        else:
-            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    tool_calls = [
-        ToolCall(id=f"chatcmpl-tool-{uuid.uuid4().hex}", function=FunctionCall(name=n, arguments=a))
-        for n, a in calls
-    ]
-    return content, tool_calls
+        tool_calls = [_tool_call(new_call_id(), name, arguments) for name, arguments in calls]
+        return content, tool_calls
+    reader = ForcedCallReader(mode.named)
+    reader.feed(text)
+    if not reader.calls:
+        return None
+    return None, [_tool_call(c.id, c.name, c.arguments) for c in reader.calls]
 
 
 class ToolCallStream:
     """One choice's reply streamed under a tool mode: `feed` returns the content that may go out
-    now (with a parser, what is surely not a call, see `tool_parsers.content_end`; forced calls:
-    none), and once the reply ends `calls` holds its calls, parsed from the whole text, or it
-    sends the rest as content (it held no calls)."""
+    now and the tool-call deltas. With a parser: the content that is surely not a call (see
+    `tool_parsers.content_end`), and once the reply ends, its calls parsed from the whole text
+    (or the rest as content: it held none). Forced calls: each call's head as soon as its name
+    is written, then its arguments as they come (`forced_calls.py`); a reply that named no call
+    ends as content."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
         self.text = ""
         self.num_sent = 0  # text[:num_sent] went out as content
         self.calls: list[ToolCall] = []
+        self._reader = None if mode.parser is not None else ForcedCallReader(mode.named)
 
-    def feed(self, delta: str, finished: bool) -> str:
+    def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
-        parser = self.mode.parser
-        end = 0 if parser is None else content_end(parser, self.text)
+        if self._reader is not None:
+            return self._feed_forced(delta, finished)
+        end = content_end(self.mode.parser, self.text)
+        deltas = []
         if finished:
             parsed = parse_tool_calls(self.mode, self.text)
             if parsed is None:
                 end = len(self.text)
             else:
                 self.calls = parsed[1]
+                deltas = tool_call_deltas(self.calls)
         content = self.text[self.num_sent : end]
         self.num_sent = max(self.num_sent, end)
-        return content
+        return content, deltas
+
+    def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        deltas = []
+        for index, new, arguments in self._reader.feed(delta):
+            if new is not None:
+                head = DeltaFunctionCall(name=new.name, arguments="")
+                deltas.append(DeltaToolCall(index=index, id=new.id, type="function", function=head))
+            if arguments:
+                deltas.append(
+                    DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments))
+                )
+        calls = self._reader.calls
+        self.calls = [_tool_call(c.id, c.name, c.arguments) for c in calls]
+        if finished and not calls:
+            return self.text, []  # no call was named: the reply is content
+        return "", deltas
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
@@ -161,6 +176,10 @@ def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
         arguments = DeltaFunctionCall(arguments=call.function.arguments)
         deltas.append(DeltaToolCall(index=index, function=arguments))
     return deltas
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
