@@ -38,6 +38,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: False leaves the output's text empty (and logprobs' decoded_token None), for
+    # callers that want token ids only and not the detokenizing cost.
+    detokenize: bool = True
     # Keep only the last k prompt tokens; -1: as many as max_model_len leaves room for.
     truncate_prompt_tokens: int | None = None
     # A JSON schema, regex, choice or grammar the output must follow (a dict is taken as the
@@ -92,6 +95,12 @@ class SamplingParams:
             "must be >= 0 (vLLM's -1, the whole vocabulary, is not supported)",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        _check(
+            self.detokenize or not self.stop,
+            "detokenize",
+            self.detokenize,
+            "must be True with stop strings (they are matched in the text); use stop_token_ids",
+        )
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -1,6 +1,7 @@
 """vLLM's sampling fields end to end through `LLM` (and once through `AsyncLLM` over the socket):
 logit_bias, allowed_token_ids, bad_words, min_tokens, skip_special_tokens and
-truncate_prompt_tokens change what is generated; invalid values name the field. And `LLM.chat`'s
+truncate_prompt_tokens change what is generated, detokenize=False only drops the text; invalid
+values name the field. And `LLM.chat`'s
 template options (vLLM's keywords) reach the template, and `generation_config` gives the
 sampling defaults.
 
@@ -126,6 +127,23 @@ def test_skip_special_tokens_false_keeps_their_text(llm, tokenizer):
     spaced = greedy(**forced, skip_special_tokens=False, spaces_between_special_tokens=False)
     # A fast tokenizer joins special tokens without spaces either way (as in vLLM).
     assert generate(llm, spaced).text == kept.text
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm):
+    asked = dict(logprobs=2, prompt_logprobs=1)
+    text = llm.generate([PROMPT], greedy(**asked), use_tqdm=False)[0]
+    ids = llm.generate([PROMPT], greedy(**asked, detokenize=False), use_tqdm=False)[0]
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+    assert text.outputs[0].text and ids.outputs[0].text == ""
+    for output in (ids.outputs[0].logprobs, ids.prompt_logprobs[1:]):
+        assert all(lp.decoded_token is None for row in output for lp in row.values())
+    assert all(lp.decoded_token for row in text.outputs[0].logprobs for lp in row.values())
+    # Logprobs are the same numbers either way.
+    assert [row.keys() for row in ids.outputs[0].logprobs] == [
+        row.keys() for row in text.outputs[0].logprobs
+    ]
+    with pytest.raises(ValueError, match="SamplingParams.detokenize must be True with stop"):
+        SamplingParams(stop=["."], detokenize=False)
 
 
 def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(llm, tokenizer):

@@ -11,8 +11,8 @@ from v1engine.outputs import Logprob, LogprobsLists
 if TYPE_CHECKING:
     from v1engine.engine.output_processor import OutputKind
 
-# Decodes one token id on its own, for `Logprob.decoded_token`.
-TokenDecoder = Callable[[int], str]
+# Decodes one token id on its own, for `Logprob.decoded_token` (None: no text).
+TokenDecoder = Callable[[int], str | None]
 
 
 class PromptLogprobs:
@@ -23,7 +23,7 @@ class PromptLogprobs:
         self.entries: list[dict[int, Logprob] | None] = [None]
         self.sent = False
 
-    def add(self, rows: LogprobsLists, decode_token: TokenDecoder) -> None:
+    def add(self, rows: LogprobsLists, decode_token: TokenDecoder | None) -> None:
         self.entries.extend(logprob_dicts(rows, decode_token))
 
     def for_output(self, output_kind: OutputKind) -> list[dict[int, Logprob] | None] | None:
@@ -34,7 +34,9 @@ class PromptLogprobs:
         return self.entries
 
 
-def logprob_dicts(rows: LogprobsLists, decode_token: TokenDecoder) -> list[dict[int, Logprob]]:
+def logprob_dicts(
+    rows: LogprobsLists, decode_token: TokenDecoder | None
+) -> list[dict[int, Logprob]]:
     # Row i: column 0 is the sampled (or scored prompt) token with its rank, then the top-k by
     # rank; a token in both keeps its top-k entry.
     dicts = []
@@ -44,7 +46,9 @@ def logprob_dicts(rows: LogprobsLists, decode_token: TokenDecoder) -> list[dict[
         ranks = [first_rank, *range(1, len(token_ids))]
         dicts.append(
             {
-                token_id: Logprob(logprob, rank, decode_token(token_id))
+                token_id: Logprob(
+                    logprob, rank, None if decode_token is None else decode_token(token_id)
+                )
                 for token_id, logprob, rank in zip(token_ids, logprobs, ranks)
             }
         )

@@ -72,9 +72,9 @@ class RequestState:
         )
         self.stop = sampling_params.stop
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
-        # No tokenizer (skip_tokenizer_init): token ids only, and the text stays empty.
+        # No tokenizer (skip_tokenizer_init) or detokenize=False: token ids only, no text.
         self.detokenizer = None
-        if tokenizer is not None:
+        if tokenizer is not None and sampling_params.detokenize:
             self.detokenizer = IncrementalDetokenizer(
                 tokenizer,
                 prompt_token_ids,
@@ -104,10 +104,11 @@ class RequestState:
         while the core still runs it (so the caller must abort it in the core)."""
         self.token_ids.extend(output.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        decode = decode_token if self.detokenizer is not None else None  # None: no text
         if self.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
-            self.prompt_logprobs.add(output.new_prompt_logprobs, decode_token)
+            self.prompt_logprobs.add(output.new_prompt_logprobs, decode)
         if self.logprobs is not None and output.new_logprobs is not None:
-            self._add_logprobs(output.new_logprobs, decode_token)
+            self._add_logprobs(output.new_logprobs, decode)
         core_reason = None if output.finish_reason is None else str(output.finish_reason)
         text_token_ids = output.new_token_ids
         if core_reason == "stop" and not self.include_stop_str_in_output and text_token_ids:
@@ -141,7 +142,7 @@ class RequestState:
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
-    def _add_logprobs(self, rows: LogprobsLists, decode_token: TokenDecoder) -> None:
+    def _add_logprobs(self, rows: LogprobsLists, decode_token: TokenDecoder | None) -> None:
         assert self.logprobs is not None and self.cumulative_logprob is not None
         self.logprobs.extend(logprob_dicts(rows, decode_token))
         for logprobs in rows.logprobs:
