@@ -297,6 +297,49 @@ def test_return_tokens_as_token_ids_names_every_logprobs_token_by_id(client, tok
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
 
 
+# -- token ids in the response -----------------------------------------------------------------
+def test_return_token_ids_gives_the_prompts_and_outputs_ids(client, tokenizer):
+    ids = {"return_token_ids": True}
+    whole = _complete(client, BATCH, max_tokens=6, n=2, extra_body=ids)
+    for choice in whole.choices:
+        prompt = BATCH[choice.index // 2]
+        assert choice.prompt_token_ids == tokenizer.encode(prompt)
+        assert len(choice.token_ids) == 6 and tokenizer.decode(choice.token_ids) == choice.text
+    streamed: dict[int, list[int]] = {}
+    prompts: dict[int, list] = {}
+    for chunk in _complete(client, BATCH, max_tokens=6, n=2, extra_body=ids, stream=True):
+        for choice in chunk.choices:
+            streamed.setdefault(choice.index, []).extend(choice.token_ids or [])
+            if choice.prompt_token_ids is not None:
+                assert choice.index not in prompts  # only in a choice's first chunk
+                prompts[choice.index] = choice.prompt_token_ids
+    assert streamed == {c.index: c.token_ids for c in whole.choices}
+    assert prompts == {c.index: c.prompt_token_ids for c in whole.choices}
+    plain = _complete(client, PROMPT).choices[0]
+    assert plain.token_ids is None and plain.prompt_token_ids is None
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_chat_return_token_ids_add_up_when_streamed(client, tokenizer, tools):
+    messages = [{"role": "user", "content": PROMPT}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0.0)
+    kwargs["extra_body"] = {"return_token_ids": True, "ignore_eos": True}
+    if tools:  # the call's tokens are held back while its name is unfinished
+        function = {"name": "f", "parameters": {"type": "object"}}
+        kwargs.update(tools=[{"type": "function", "function": function}], tool_choice="required")
+    whole = client.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert len(choice.token_ids) == whole.usage.completion_tokens == 8
+    assert len(whole.prompt_token_ids) == whole.usage.prompt_tokens
+    if not tools:
+        assert tokenizer.decode(choice.token_ids) == choice.message.content
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].prompt_token_ids == whole.prompt_token_ids
+    assert all(c.prompt_token_ids is None for c in chunks[1:])
+    streamed = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
+    assert streamed == choice.token_ids
+
+
 def test_any_origin_may_call_by_default_as_in_vllm(server):
     headers = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
     preflight = httpx.options(server.url + "/v1/chat/completions", headers=headers)

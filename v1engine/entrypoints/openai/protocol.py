@@ -105,6 +105,9 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     prompt_logprobs: int | None = None
     # Logprobs name their tokens "token_id:{id}" instead of by text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the response carries the prompt's and each choice's token ids (streamed: the
+    # prompt's in a choice's first chunk, each chunk its new tokens').
+    return_token_ids: bool = False
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -288,6 +291,8 @@ class CompletionChoice(BaseModel):
     # The stop string or stop token id that ended the text (vLLM's extra field).
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's)
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -333,6 +338,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's)
 
 
 class ChatStreamChoice(BaseModel):
@@ -341,6 +347,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -351,6 +358,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra field
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -360,6 +368,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
 
 
 class ModelCard(BaseModel):

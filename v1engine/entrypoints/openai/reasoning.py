@@ -24,10 +24,12 @@ back until the next delta (or the end) shows whether it is one.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from v1engine.engine.detokenizer import partial_stop_len
+from v1engine.outputs import CompletionOutput
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -97,3 +99,17 @@ class ReasoningStream:
     def _enter(self, state: str) -> None:
         self.state = state
         self.reasoned = self.reasoned or state == "reasoning"
+
+
+def split_deltas(
+    completions: list[CompletionOutput], streams: dict[int, ReasoningStream], opened: bool
+) -> tuple[list[CompletionOutput], dict[int, str]]:
+    """The step's completions with only their content delta as text, and each one's
+    reasoning delta by index (`streams` keeps each choice's state across steps)."""
+    split, reasoning = [], {}
+    for completion in completions:
+        stream = streams.setdefault(completion.index, ReasoningStream(opened))
+        finished = completion.finish_reason is not None
+        reasoning[completion.index], content = stream.feed(completion.text, finished)
+        split.append(dataclasses.replace(completion, text=content))
+    return split, reasoning

@@ -37,6 +37,7 @@ from v1engine.entrypoints.openai.reasoning import (
     ReasoningStream,
     closes_thinking,
     opens_thinking,
+    split_deltas,
     split_reasoning,
     think_end_token_id,
 )
@@ -138,6 +139,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         if final.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_field(final.prompt_logprobs)
+        if request.return_token_ids:
+            response.prompt_token_ids = final.prompt_token_ids
         return response
 
     def _plan_reasoning(
@@ -174,22 +177,19 @@ class OpenAIServingChat(OpenAIServing):
         tally = StreamTally()
         tool_streams: dict[int, ToolCallStream] = {}
         streams: dict[int, ReasoningStream] = {}
+        pending_ids: dict[int, list[int]] = {}  # with return_token_ids: tokens not yet sent
         roles_sent = False
         async for completions in stream_steps(run.runs[0][1], tally):
             if not roles_sent:
                 roles_sent = True
-                assert tally.last is not None
-                usage = make_usage(tally.last, 0) if request.continuous_usage else None
-                for index in range(request.n):
-                    role = ChatStreamChoice(
-                        index=index, delta=ChatDelta(role="assistant", content="")
-                    )
-                    yield ChatCompletionChunk(
-                        id=request_id, model=self.model_name, choices=[role], usage=usage
-                    )
+                for chunk in self._role_chunks(run, tally):
+                    yield chunk
+            if request.return_token_ids:
+                for completion in completions:
+                    pending_ids.setdefault(completion.index, []).extend(completion.token_ids)
             reasoning: dict[int, str] = {}
             if opened is not None:
-                completions, reasoning = _split_deltas(completions, streams, opened)
+                completions, reasoning = split_deltas(completions, streams, opened)
                 if not request.include_reasoning:
                     reasoning = {}
             if mode is None:
@@ -198,6 +198,10 @@ class OpenAIServingChat(OpenAIServing):
                 choices = [_thinking_choice(i, text) for i, text in reasoning.items() if text]
                 choices += _tool_stream_choices(completions, mode, tool_streams)
             for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
+                # A step's tokens go with its choice's first chunk (or, if it sent none, the
+                # next one: a tool call's tokens may be held back until it ends).
+                if pending_ids.get(choice.index):
+                    choice.token_ids = pending_ids.pop(choice.index)
                 usage = choice_usage(tally, choice.index, request.continuous_usage)
                 yield ChatCompletionChunk(
                     id=request_id, model=self.model_name, choices=[choice], usage=usage
@@ -205,6 +209,24 @@ class OpenAIServingChat(OpenAIServing):
         if request.include_usage and tally.last is not None:
             usage = make_usage(tally.last, tally.num_completion_tokens)
             yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
+
+    def _role_chunks(self, run: ChatRun, tally: StreamTally) -> list[ChatCompletionChunk]:
+        """Each choice's role-only chunk; the first carries the prompt's token ids (with
+        return_token_ids)."""
+        request = run.request
+        assert tally.last is not None
+        usage = make_usage(tally.last, 0) if request.continuous_usage else None
+        prompt_ids = tally.last.prompt_token_ids if request.return_token_ids else None
+        chunks = []
+        for index in range(request.n):
+            role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+            chunk = ChatCompletionChunk(
+                id=run.request_id, model=self.model_name, choices=[role], usage=usage
+            )
+            if index == 0:
+                chunk.prompt_token_ids = prompt_ids
+            chunks.append(chunk)
+        return chunks
 
 
 def _choice(
@@ -232,21 +254,8 @@ def _choice(
         logprobs=_chat_logprobs(output, request),
         finish_reason=finish_reason,
         stop_reason=output.stop_reason,
+        token_ids=list(output.token_ids) if request.return_token_ids else None,
     )
-
-
-def _split_deltas(
-    completions: list[CompletionOutput], streams: dict[int, ReasoningStream], opened: bool
-) -> tuple[list[CompletionOutput], dict[int, str]]:
-    """The step's completions with only their content delta as text, and each one's
-    reasoning delta by index (`streams` keeps each choice's state across steps)."""
-    split, reasoning = [], {}
-    for completion in completions:
-        stream = streams.setdefault(completion.index, ReasoningStream(opened))
-        finished = completion.finish_reason is not None
-        reasoning[completion.index], content = stream.feed(completion.text, finished)
-        split.append(dataclasses.replace(completion, text=content))
-    return split, reasoning
 
 
 def _thinking_choice(index: int, reasoning: str) -> ChatStreamChoice:

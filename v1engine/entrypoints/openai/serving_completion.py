@@ -110,6 +110,8 @@ class OpenAIServingCompletion(OpenAIServing):
             for completion in final.outputs:
                 choice = self._choice(completion, prompt_index, request, echo, 0)
                 choice.prompt_logprobs = plp
+                if request.return_token_ids:
+                    choice.prompt_token_ids = final.prompt_token_ids
                 choices.append(choice)
             num_tokens = sum(len(o.token_ids) for o in final.outputs)
             usages.append(make_usage(final, 0 if request.scores_prompt_only else num_tokens))
@@ -130,10 +132,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = prompt_index * request.n + completion.index
                 # The choice's first chunk carries the echoed prompt (as vLLM sends it).
                 echo = None
-                if index not in text_offsets:
+                first = index not in text_offsets
+                if first:
                     echo = self._echo(tally.last, tally.prompt_logprobs, request)
                 offset = text_offsets.get(index, 0)
                 choice = self._choice(completion, prompt_index, request, echo, offset)
+                if first and request.return_token_ids:
+                    choice.prompt_token_ids = tally.last.prompt_token_ids
                 text_offsets[index] = offset + len(choice.text)
                 usage = choice_usage(tally, completion.index, request.continuous_usage)
                 if usage is not None and request.scores_prompt_only:
@@ -201,6 +206,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            token_ids=list(completion.token_ids) if request.return_token_ids else None,
         )
 
 
