@@ -31,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_id: int | None = None
     arrival_time: float = msgspec.field(default_factory=time.time)
     priority: int = 0  # with the "priority" scheduling policy: lower is served first
+    # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
+    cache_salt: str | None = None
 
 
 def validate_request(
@@ -66,6 +68,9 @@ def validate_request(
         )
     if request_id in live_request_ids:
         raise ValueError(f"request id {request_id!r} is already in use")
+    salt = request.cache_salt
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string (or None), got {salt!r}")
     request.sampling_params.validate()
     if vocab_size is not None:
         _check_sampling_token_ids(request_id, request.sampling_params, vocab_size)
@@ -154,9 +159,11 @@ class Request:
         max_model_len: int,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         if sampling_params.min_tokens > 0 and sampling_params._eos_token_id != eos_token_id:
             # The workers mask EOS until min_tokens and know it only from the params (a copy:
@@ -197,6 +204,7 @@ class Request:
             max_model_len=max_model_len,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            cache_salt=request.cache_salt,
         )
 
     @property

@@ -62,6 +62,7 @@ def make_request(
     max_model_len: int = 128,
     eos_token_id: int | None = EOS_TOKEN_ID,
     priority: int = 0,
+    cache_salt: str | None = None,
     **sampling_kwargs,
 ) -> Request:
     sampling_kwargs.setdefault("max_tokens", 8)
@@ -73,6 +74,7 @@ def make_request(
         max_model_len=max_model_len,
         arrival_time=0.0,  # ties keep the order requests were added in
         priority=priority,
+        cache_salt=cache_salt,
     )
 
 

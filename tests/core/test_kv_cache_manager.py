@@ -19,9 +19,9 @@ def _manager(num_blocks: int = 16, num_groups: int = 1, enable_caching: bool = T
     return KVCacheManager(config, max_model_len=64, enable_caching=enable_caching)
 
 
-def _prefill(manager: KVCacheManager, request_id: str, prompt: list[int]):
+def _prefill(manager: KVCacheManager, request_id: str, prompt: list[int], cache_salt=None):
     """Admits a request the way the scheduler does and computes its whole prompt."""
-    request = make_request(request_id, prompt)
+    request = make_request(request_id, prompt, cache_salt=cache_salt)
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     assert new_blocks is not None
@@ -63,6 +63,21 @@ def test_shared_prefix_of_several_blocks_is_a_hit() -> None:
     stats = manager.prefix_cache_stats
     assert (stats.num_requests, stats.num_query_tokens, stats.num_hit_tokens) == (2, 26, 8)
     assert stats.hit_rate == pytest.approx(8 / 26)
+
+
+def test_a_cache_salt_shares_blocks_only_within_the_salt() -> None:
+    manager = _manager()
+    prompt = list(range(13))  # 3 full blocks
+    salted, _ = _prefill(manager, "a", prompt, cache_salt="tenant-1")
+    plain = make_request("p", prompt)
+    manager.get_computed_blocks(plain)
+    # Every block differs, the first by the salt and the rest by the chain.
+    assert not set(salted.block_hashes) & set(plain.block_hashes)
+    assert salted.block_hashes[0] == hash_block_tokens(None, prompt[:4], "tenant-1")
+    for request_id, salt, expected_hit_tokens in [("b", "tenant-2", 0), ("c", None, 0)]:
+        assert _prefill(manager, request_id, prompt, salt)[1] == expected_hit_tokens
+    assert _prefill(manager, "d", prompt, "tenant-1")[1] == 12
+    assert _prefill(manager, "e", prompt)[1] == 12  # "c" cached the unsalted blocks
 
 
 @pytest.mark.parametrize(("prompt_len", "expected_hit_tokens"), [(8, 4), (9, 8), (12, 8)])

@@ -146,6 +146,20 @@ def test_detokenize_false_gives_the_same_tokens_without_text(llm):
         SamplingParams(stop=["."], detokenize=False)
 
 
+def test_a_cache_salt_in_the_prompt_keeps_the_prefix_cache_to_its_salt(llm):
+    tokens = list(range(1000, 1040))  # 2 full blocks and more
+
+    def cached(**salt) -> int:
+        prompt = {"prompt_token_ids": tokens, **salt}
+        return llm.generate([prompt], greedy(max_tokens=1), use_tqdm=False)[0].num_cached_tokens
+
+    assert cached(cache_salt="a") == 0 and cached(cache_salt="a") > 0
+    assert cached(cache_salt="b") == 0 and cached() == 0
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        cached(cache_salt="")
+    assert not llm.output_processor.has_unfinished_requests()
+
+
 def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(llm, tokenizer):
     prompt_ids = tokenizer.encode(PROMPT)
     truncated = llm.generate([PROMPT], greedy(truncate_prompt_tokens=4), use_tqdm=False)[0]

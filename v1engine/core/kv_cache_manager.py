@@ -35,9 +35,14 @@ KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 _encoder = msgspec.msgpack.Encoder()
 
 
-def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """The chained hash of one full block: stable across processes and runs."""
-    return hashlib.sha256(_encoder.encode((parent_block_hash, token_ids))).digest()
+def hash_block_tokens(
+    parent_block_hash: bytes | None, token_ids: list[int], cache_salt: str | None = None
+) -> bytes:
+    """The chained hash of one full block: stable across processes and runs. A first block's
+    `cache_salt` (vLLM's) is hashed with it, so every block of a salted request differs from
+    every block of another salt or none."""
+    key = (parent_block_hash, token_ids) if cache_salt is None else (None, token_ids, cache_salt)
+    return hashlib.sha256(_encoder.encode(key)).digest()
 
 
 @dataclass
@@ -213,8 +218,11 @@ class KVCacheManager:
         """Extends `request.block_hashes` over every full block of its tokens."""
         block_hashes, token_ids, size = request.block_hashes, request.all_token_ids, self.block_size
         for start in range(len(block_hashes) * size, len(token_ids) - size + 1, size):
-            parent = block_hashes[-1] if block_hashes else None
-            block_hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
+            tokens = token_ids[start : start + size]
+            if block_hashes:
+                block_hashes.append(hash_block_tokens(block_hashes[-1], tokens))
+            else:
+                block_hashes.append(hash_block_tokens(None, tokens, request.cache_salt))
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks; cached ones stay findable until evicted.

@@ -117,10 +117,11 @@ class AsyncLLM:
         params: SamplingParams,
         output_kind: OutputKind,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Sends the request's n engine requests; returns its outputs, to iterate until it
         finishes (the iterator holds the request's queue, so outputs that arrive before the
-        iteration starts wait there). `priority`: see `Processor.process`.
+        iteration starts wait there). `priority`, `cache_salt`: see `Processor.process`.
 
         Raises:
             ValueError: the request cannot be served (prompt too long, bad sampling values);
@@ -130,7 +131,7 @@ class AsyncLLM:
         outputs = await self._send(
             request_id,
             lambda: self.processor.process(
-                request_id, prompt, prompt_token_ids, params, output_kind, priority
+                request_id, prompt, prompt_token_ids, params, output_kind, priority, cache_salt
             ),
             params.max_tokens,
         )

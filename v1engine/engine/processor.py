@@ -143,18 +143,19 @@ class Processor:
         params: SamplingParams,
         output_kind: OutputKind,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Registers the request (its n children when n > 1) with the output processor and
         returns the core requests to send, in order. `priority` (lower is served first) needs
-        the "priority" scheduling policy.
+        the "priority" scheduling policy; a `cache_salt` keeps its prefix-cache blocks to
+        requests of the same salt.
 
         The prompt is first cut to its last `params.truncate_prompt_tokens` tokens, and bad
         words are tokenized into `params._bad_words_token_ids` (on a copy) for the workers.
 
         Raises:
-            ValueError: the request cannot be served (empty or too long a prompt, token ids
-                outside the vocabulary, bad sampling values, stop strings or bad words without a
-                tokenizer, an id already in use, a priority the policy ignores), named by
+            ValueError: the request cannot be served (a bad prompt, sampling value, priority
+                or salt; stop strings or bad words without a tokenizer; an id in use), named by
                 `request_id`; nothing is registered.
         """
         self._require_runner("generate", "generation")
@@ -172,18 +173,17 @@ class Processor:
             token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
         eos = self.eos_token_id
-        parent = EngineCoreRequest(request_id, prompt_token_ids, params, eos, priority=priority)
-        info = self.info
+        fields = {"priority": priority, "cache_salt": cache_salt}
+        parent = EngineCoreRequest(request_id, prompt_token_ids, params, eos, **fields)
         in_use = self.output_processor.parent_states
-        validate_request(parent, info.max_model_len, info.vocab_size, in_use)
+        validate_request(parent, self.info.max_model_len, self.info.vocab_size, in_use)
         requests = []
         for child_id, index, child_params in make_child_requests(request_id, params):
             self.output_processor.add_request(
                 child_id, prompt, prompt_token_ids, params, output_kind, request_id, index
             )
-            requests.append(
-                EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, priority=priority)
-            )
+            child = EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, **fields)
+            requests.append(child)
         return requests
 
     def process_pooling(

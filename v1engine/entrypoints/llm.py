@@ -96,7 +96,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order (with
-        `prompt_logprobs` filled for params that set `SamplingParams.prompt_logprobs`).
+        `prompt_logprobs` filled for params that set `SamplingParams.prompt_logprobs`). A dict
+        prompt may carry vLLM's `cache_salt` (prefix-cache blocks shared only within a salt).
         `priority`, one per prompt (vLLM's; lower is served first), needs
         `scheduling_policy="priority"`.
 
@@ -113,8 +114,10 @@ class LLM:
         def process(
             request_id: str, index: int, text: str | None, token_ids: list[int]
         ) -> list[EngineCoreRequest]:
+            prompt, priority = prompts[index], priorities[index]
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             return self.processor.process(
-                request_id, text, token_ids, params[index], "final", priorities[index]
+                request_id, text, token_ids, params[index], "final", priority, salt
             )
 
         return self._run(prompts, process, use_tqdm, "Generating")

@@ -297,6 +297,32 @@ def test_return_tokens_as_token_ids_names_every_logprobs_token_by_id(client, tok
         assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
 
 
+# -- prefix-cache salt ---------------------------------------------------------------------------
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(client):
+    prompt = "Salted prefix: " + " ".join(f"word{i}" for i in range(40))  # several blocks
+
+    def cached(salt, api="completions") -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        if api == "chat":
+            messages = [{"role": "user", "content": prompt}]
+            out = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, extra_body=extra
+            )
+        else:
+            out = _complete(client, prompt, max_tokens=1, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-1") == 0
+    assert cached("tenant-1") > 0  # the same salt shares
+    assert cached("tenant-2") == cached(None) == 0  # another salt, or none, does not
+    assert cached("tenant-1", "chat") == 0 < cached("tenant-1", "chat")
+    with pytest.raises(openai.BadRequestError) as info:
+        cached("")
+    assert info.value.body["param"] == "cache_salt"
+    with pytest.raises(openai.BadRequestError, match="use_beam_search does not take cache_salt"):
+        _complete(client, prompt, extra_body={"cache_salt": "x", "use_beam_search": True}, n=2)
+
+
 # -- token ids in the response -----------------------------------------------------------------
 def test_return_token_ids_gives_the_prompts_and_outputs_ids(client, tokenizer):
     ids = {"return_token_ids": True}

@@ -40,6 +40,8 @@ def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) 
     ]
     if request.priority != 0:  # its steps are scheduled as any request's
         unsupported.append("priority")
+    if request.cache_salt is not None:  # its steps share the prefix cache unsalted
+        unsupported.append("cache_salt")
     if unsupported:
         raise APIError(
             f"use_beam_search does not take {', '.join(unsupported)}: a beam search takes n (the "

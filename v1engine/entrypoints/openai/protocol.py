@@ -85,6 +85,8 @@ class _SamplingFields(_NotesIgnoredFields, StructuredFields):
     request_id: str | None = None
     # vLLM's, refused when set: this server schedules first come, first served.
     priority: int = 0
+    # vLLM's: the request shares prefix-cache blocks only with requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's beam search: n is its width; length_penalty scores it (see beam_search.py).
     use_beam_search: bool = False
     length_penalty: float = 1.0

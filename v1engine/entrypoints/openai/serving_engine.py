@@ -60,6 +60,7 @@ class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams | PoolingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 # One engine request of an HTTP request: its id and its outputs.
@@ -214,7 +215,8 @@ class OpenAIServing:
         """
         params = self.make_sampling_params(request, len(prompt_token_ids), structured_outputs)
         if not request.use_beam_search:
-            return EngineInput(prompt, prompt_token_ids, params, request.priority)
+            salt = request.cache_salt
+            return EngineInput(prompt, prompt_token_ids, params, request.priority, salt)
         search = beam_search_params(request, params, self.limits.max_logprobs)
         truncate_to = params.truncate_prompt_tokens
         prompt_token_ids = truncate_prompt(prompt_token_ids, truncate_to, self.max_model_len)
@@ -310,7 +312,7 @@ class OpenAIServing:
         if isinstance(x.params, PoolingParams):
             return self.engine.encode(engine_id, x.prompt_token_ids, x.params, x.priority)
         return self.engine.add_request(
-            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.priority
+            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.priority, x.cache_salt
         )
 
     def abort_all(self, request_ids: list[str]) -> None:
