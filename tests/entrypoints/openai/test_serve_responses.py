@@ -222,7 +222,7 @@ def test_tool_choice_required_returns_function_calls(client, stream) -> None:
         jsonschema.validate(json.loads(item.arguments), schema)
 
 
-def test_a_named_function_choice_calls_that_function(client) -> None:
+def test_a_named_function_choice_calls_that_function(client, server) -> None:
     response = client.responses.create(
         model=MODEL,
         input="Weather?",
@@ -234,6 +234,18 @@ def test_a_named_function_choice_calls_that_function(client) -> None:
     (item,) = response.output
     assert item.name == "get_weather"
     jsonschema.validate(json.loads(item.arguments), WEATHER)
+    # The call's output continues the stored conversation, the call in its assistant turn.
+    answer = {"type": "function_call_output", "call_id": item.call_id, "output": "Sunny"}
+    follow_up = client.responses.create(
+        model=MODEL, input=[answer], previous_response_id=response.id, **GREEDY
+    )
+    call = {"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": item.call_id, "content": "Sunny"},
+    ]
+    assert follow_up.usage.input_tokens == _num_prompt_tokens(server, messages)
 
 
 def test_logprobs_come_with_the_output_text_when_included(client) -> None:
