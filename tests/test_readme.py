@@ -1,5 +1,6 @@
-"""The README's offline example, run as a user runs it: pasted into a script file and started with
-`python script.py` (spawned workers re-import that script, so the example must guard its entry)."""
+"""The README's offline and asyncio examples, each run as a user runs it: pasted into a script
+file and started with `python script.py` (spawned workers re-import that script, so the example
+must guard its entry)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def test_the_offline_example_runs_as_a_script(tmp_path):
     script.write_text(example)
     done = run_script(str(script), cwd=str(tmp_path))
     assert "Paris" in done.stdout  # greedy SmolLM2-135M-Instruct knows the capital of France
+
+
+def test_the_asyncio_example_runs_as_a_script(tmp_path):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (example,) = [b for b in _python_blocks(f.read()) if "AsyncLLM.from_engine_args" in b]
+    script = tmp_path / "asyncio_example.py"
+    script.write_text(example)
+    assert "Paris" in run_script(str(script), cwd=str(tmp_path)).stdout

@@ -1,9 +1,9 @@
 """v1engine: a readable multi-process LLM inference engine following vLLM's V1 architecture.
 
-    from v1engine import LLM, SamplingParams, EngineArgs
+    from v1engine import LLM, SamplingParams, EngineArgs   # and AsyncLLM, for asyncio code
 
-`LLM` and `EngineCore` are imported on first use: worker processes import this package too, and
-must not pay for the front end's imports.
+`LLM`, `AsyncLLM` and `EngineCore` are imported on first use: worker processes import this
+package too, and must not pay for the front end's imports.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from v1engine.core.engine_core import EngineCore
+    from v1engine.engine.async_llm import AsyncLLM
     from v1engine.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "BeamSearchParams",
     "CacheConfig",
     "DeviceConfig",
@@ -44,7 +46,11 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY = {"LLM": "v1engine.entrypoints.llm", "EngineCore": "v1engine.core.engine_core"}
+_LAZY = {
+    "LLM": "v1engine.entrypoints.llm",
+    "AsyncLLM": "v1engine.engine.async_llm",
+    "EngineCore": "v1engine.core.engine_core",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ contract (what workers keep, drop and rebuild, and in which order) is written ou
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -188,3 +189,12 @@ class ScoringOutput:
 
 class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
     """One text pair's score (vLLM's `LLM.score` result)."""
+
+
+async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last of a request's streamed outputs (`AsyncLLM.add_request`'s), once it finished."""
+    final = None
+    async for output in outputs:
+        final = output
+    assert final is not None and final.finished
+    return final

@@ -1,7 +1,7 @@
-"""AsyncLLM: the API server's asyncio front of an engine core process (vLLM's name).
-
-It owns the `AsyncMPClient`, the `Processor` (prompt -> core requests), the `OutputProcessor`
-(detokenizer, stop strings, n > 1 fan-in) and one output loop task, the client's only reader:
+"""AsyncLLM: the asyncio front of an engine core process (vLLM's name), the API server's and,
+through `from_engine_args` and `generate`, any asyncio program's. It owns the `AsyncMPClient`,
+the `Processor` (prompt -> core requests), the `OutputProcessor` (detokenizer, stop strings,
+n > 1 fan-in) and one output loop task, the client's only reader:
 
     while True:
         outputs = await client.get_output()          # one engine step
@@ -20,17 +20,24 @@ ServerShutdownError for whatever its grace period did not let finish.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
-from v1engine.engine.beam_search import BeamSearch, step_candidates, step_params
-from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
+from v1engine.engine.beam_search import AsyncBeamSearch, BeamSearch
+from v1engine.engine.core_process import (
+    EngineDeadError,
+    RequestAbortedError,
+    ServerShutdownError,
+    summarize_dead_reason,
+)
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.pooling_state import PooledOutput
-from v1engine.engine.processor import Processor, as_parent_error
+from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.logger import init_logger
 from v1engine.outputs import RequestOutput
 from v1engine.pooling_params import PoolingParams
@@ -39,17 +46,9 @@ from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from v1engine.engine.core_client import AsyncMPClient
+    from v1engine.engine_args import EngineArgs
 
 logger = init_logger(__name__)
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (its client went away) while someone still read its outputs."""
-
-
-class ServerShutdownError(EngineDeadError):
-    """The server stopped serving before the request finished; the engine itself is fine.
-    An EngineDeadError, because for the request the outcome is the same: retry elsewhere."""
 
 
 class AsyncLLM:
@@ -107,6 +106,76 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         return self.dead_reason is not None
+
+    # -- vLLM's API for asyncio code --------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        """Starts an engine for asyncio code (the default model when `model` is None): the
+        loop of its first `generate` drives it; `shutdown()`, or leaving `async with`, stops it.
+        Raises ValueError / RuntimeError for bad arguments or an engine that cannot start."""
+        from v1engine.engine.core_client import EngineCoreClient
+        from v1engine.model.hf_config import default_model_path
+        from v1engine.tokenizer import BackgroundTokenizerLoad
+
+        if engine_args.model is None:
+            engine_args = dataclasses.replace(engine_args, model=default_model_path())
+        config = engine_args.create_engine_config()
+        with BackgroundTokenizerLoad(config.model_config) as loading:
+            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
+            try:
+                tokenizer = loading.result()
+            except BaseException:
+                client.shutdown()
+                raise
+        max_model_len = config.scheduler_config.max_model_len
+        return cls(client, tokenizer, config, ServerMetrics(engine_args.model, max_model_len))
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+        output_kind: OutputKind = "cumulative",
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine steps: all of its output so far ("cumulative"),
+        what is new ("delta") or the last only ("final"); `sampling_params` None: the model's
+        defaults. Closing it early (`aclose()`) aborts it. Raises ValueError for a request that
+        cannot be served, EngineDeadError when the engine died before or while it ran."""
+        if self._output_loop is None:
+            self.start()
+        params = sampling_params or SamplingParams(**self.config.model_config.sampling_defaults)
+        text, token_ids = await asyncio.to_thread(self.processor.tokenize, prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        # A unique engine id: an id reused right after an abort would get the aborted
+        # request's last outputs, still on their way (vLLM suffixes its ids alike).
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        outputs = await self.add_request(
+            engine_id, text, token_ids, params, output_kind, priority, salt
+        )
+        try:
+            async for output in outputs:
+                yield dataclasses.replace(output, request_id=request_id)
+        finally:
+            await outputs.aclose()  # aborts the request if it still runs
+
+    def shutdown(self) -> None:
+        """Stops the engine core and its workers (idempotent; on the engine loop's thread or once
+        that loop ended); requests still running end with an EngineDeadError."""
+        if not self._closed:
+            self._fail_all(EngineDeadError("the engine was shut down"), outcome="abort")
+        self._stopped = True
+        if self._output_loop is not None:
+            self._output_loop.cancel()
+        self.client.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+        self.shutdown()
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(
@@ -210,67 +279,19 @@ class AsyncLLM:
         search = BeamSearch(
             prompt_token_ids, params, self.processor.eos_token_id, info.max_model_len
         )
-        one_step = step_params(params)
+        run = AsyncBeamSearch(self, request_id, search)
         try:
-            first = await self._add_beam_steps(request_id, search, one_step)
+            first = await run.add_step()
         except ValueError as e:
             raise as_parent_error(e, f"{request_id}-beam0-0", request_id) from e
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        steps = self._run_beam_search(request_id, prompt, search, one_step, first, queue)
-        task = asyncio.get_running_loop().create_task(steps)
+        tokenizer = self.output_processor.tokenizer
+        decode = None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
+        task = asyncio.get_running_loop().create_task(run.run(prompt, first, decode, queue))
         self._beam_searches[request_id] = task
         task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None))
         return self._stream_outputs(request_id, queue)
-
-    async def _add_beam_steps(
-        self, request_id: str, search: BeamSearch, one_step: SamplingParams
-    ) -> list[tuple[str, AsyncIterator[RequestOutput]]]:
-        """Adds the search's next step: one request per live beam, named
-        f"{request_id}-beam{step}-{i}"; if one cannot be added, those added are aborted."""
-        steps: list[tuple[str, AsyncIterator[RequestOutput]]] = []
-        try:
-            for i, tokens in enumerate(search.prompts()):
-                step_id = f"{request_id}-beam{search.num_steps}-{i}"
-                steps.append(
-                    (step_id, await self.add_request(step_id, None, tokens, one_step, "final"))
-                )
-        except BaseException:
-            for step_id, _ in steps:
-                self.abort(step_id)
-            raise
-        return steps
-
-    async def _run_beam_search(
-        self,
-        request_id: str,
-        prompt: str | None,
-        search: BeamSearch,
-        one_step: SamplingParams,
-        steps: list[tuple[str, AsyncIterator[RequestOutput]]],
-        queue: asyncio.Queue,
-    ) -> None:
-        """The search's steps, then its output (or the error that ended it) on `queue`."""
-        num_cached_tokens = None
-        try:
-            while True:
-                finals = await asyncio.gather(*(final_output(outputs) for _, outputs in steps))
-                if num_cached_tokens is None:  # the first step's is the prompt's
-                    num_cached_tokens = finals[0].num_cached_tokens
-                search.advance([step_candidates(final) for final in finals])
-                if search.done:
-                    break
-                steps = await self._add_beam_steps(request_id, search, one_step)
-            tokenizer = self.output_processor.tokenizer
-            decode = (
-                None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
-            )
-            queue.put_nowait(search.request_output(request_id, prompt, decode, num_cached_tokens))
-        except Exception as e:  # the reader raises it (EngineDeadError: a 503)
-            queue.put_nowait(e)
-        finally:  # cancelled (aborted) while a step runs: its requests are still in the core
-            for step_id, _ in steps:
-                self.abort(step_id)
 
     async def _stream_outputs(
         self, request_id: str, queue: asyncio.Queue
@@ -377,12 +398,3 @@ class AsyncLLM:
         for queue in queues.values():
             queue.put_nowait(error)
         self.metrics.finish_all(outcome)
-
-
-async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The last output of a request's outputs (`add_request`'s), once it has finished."""
-    final = None
-    async for output in outputs:
-        final = output
-    assert final is not None and final.finished
-    return final

@@ -9,11 +9,13 @@ step sends and takes each beam's candidates back. `LLM.beam_search` drives many 
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
-from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
+from v1engine.outputs import CompletionOutput, Logprob, RequestOutput, final_output
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 # Decodes token ids to text.
@@ -162,3 +164,73 @@ class BeamSearch:
             finished=True,
             num_cached_tokens=num_cached_tokens,
         )
+
+
+class _StepEngine(Protocol):
+    """What a search needs of an asyncio engine (AsyncLLM)."""
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: str,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+# One step's engine requests: each one's id and outputs.
+Steps = list[tuple[str, AsyncIterator[RequestOutput]]]
+
+
+class AsyncBeamSearch:
+    """One API request's search driven over an asyncio engine: each step's requests are named
+    f"{request_id}-beam{step}-{i}"; what runs when the search ends early is aborted."""
+
+    def __init__(self, engine: _StepEngine, request_id: str, search: BeamSearch) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.search = search
+        self.one_step = step_params(search.params)
+
+    async def add_step(self) -> Steps:
+        """Adds the search's next step, one request per live beam; if one cannot be added,
+        those added are aborted."""
+        steps: Steps = []
+        try:
+            for i, tokens in enumerate(self.search.prompts()):
+                step_id = f"{self.request_id}-beam{self.search.num_steps}-{i}"
+                outputs = await self.engine.add_request(
+                    step_id, None, tokens, self.one_step, "final"
+                )
+                steps.append((step_id, outputs))
+        except BaseException:
+            for step_id, _ in steps:
+                self.engine.abort(step_id)
+            raise
+        return steps
+
+    async def run(
+        self, prompt: str | None, steps: Steps, decode: Decode | None, queue: asyncio.Queue
+    ) -> None:
+        """The search's steps from `steps` (the first, added), then its output (or the error
+        that ended it) on `queue`."""
+        search, num_cached_tokens = self.search, None
+        try:
+            while True:
+                finals = await asyncio.gather(*(final_output(outputs) for _, outputs in steps))
+                if num_cached_tokens is None:  # the first step's is the prompt's
+                    num_cached_tokens = finals[0].num_cached_tokens
+                search.advance([step_candidates(final) for final in finals])
+                if search.done:
+                    break
+                steps = await self.add_step()
+            output = search.request_output(self.request_id, prompt, decode, num_cached_tokens)
+            queue.put_nowait(output)
+        except Exception as e:  # the reader raises it (EngineDeadError: a 503)
+            queue.put_nowait(e)
+        finally:  # cancelled (aborted) while a step runs: its requests are still in the core
+            for step_id, _ in steps:
+                self.engine.abort(step_id)

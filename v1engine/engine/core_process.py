@@ -152,6 +152,15 @@ class EngineDeadError(RuntimeError):
         return summarize_dead_reason(str(self))
 
 
+class ServerShutdownError(EngineDeadError):
+    """The server stopped serving before the request finished; the engine itself is fine.
+    An EngineDeadError, because for the request the outcome is the same: retry elsewhere."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (its client went away) while someone still read its outputs."""
+
+
 # Tracebacks: their header, the sentences that chain two, and (indented) frames and source lines.
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
 _CHAINING = ("During handling of the above exception", "The above exception was the direct cause")

@@ -20,8 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from v1engine.engine.async_llm import ServerShutdownError
-from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.core_process import EngineDeadError, ServerShutdownError
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)

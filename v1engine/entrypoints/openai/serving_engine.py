@@ -23,8 +23,8 @@ from typing import Any
 
 from fastapi import Request
 
-from v1engine.engine.async_llm import AsyncLLM, RequestAbortedError, final_output
-from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.async_llm import AsyncLLM
+from v1engine.engine.core_process import EngineDeadError, RequestAbortedError
 from v1engine.engine.output_processor import OutputKind
 from v1engine.engine.processor import check_priority, truncate_prompt
 from v1engine.entrypoints.openai.beam_search import beam_search_params
@@ -38,7 +38,7 @@ from v1engine.entrypoints.openai.structured import (
     request_constraint,
 )
 from v1engine.logger import init_logger
-from v1engine.outputs import RequestOutput
+from v1engine.outputs import RequestOutput, final_output
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 from v1engine.structured_outputs.params import StructuredOutputsParams
