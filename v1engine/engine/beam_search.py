@@ -13,7 +13,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any
 
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput, final_output
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
@@ -166,30 +166,16 @@ class BeamSearch:
         )
 
 
-class _StepEngine(Protocol):
-    """What a search needs of an asyncio engine (AsyncLLM)."""
-
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_kind: str,
-    ) -> AsyncIterator[RequestOutput]: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-
 # One step's engine requests: each one's id and outputs.
 Steps = list[tuple[str, AsyncIterator[RequestOutput]]]
 
 
 class AsyncBeamSearch:
-    """One API request's search driven over an asyncio engine: each step's requests are named
-    f"{request_id}-beam{step}-{i}"; what runs when the search ends early is aborted."""
+    """One API request's search driven over an asyncio engine (an AsyncLLM: its `add_request`
+    and `abort`): each step's requests are named f"{request_id}-beam{step}-{i}"; what runs
+    when the search ends early is aborted."""
 
-    def __init__(self, engine: _StepEngine, request_id: str, search: BeamSearch) -> None:
+    def __init__(self, engine: Any, request_id: str, search: BeamSearch) -> None:
         self.engine = engine
         self.request_id = request_id
         self.search = search
