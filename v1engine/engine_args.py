@@ -66,6 +66,9 @@ class EngineArgs:
     # repetition_penalty, max_new_tokens) set over those `generation_config` gives; a JSON
     # object on the command line.
     override_generation_config: dict[str, Any] | None = None
+    # vLLM's: values set over the checkpoint's config.json (e.g. {"max_position_embeddings":
+    # 4096}), for the engine and its workers alike; a JSON object on the command line.
+    hf_overrides: dict[str, Any] | None = None
     # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it (it
     # refuses False, which would ask for stats it cannot give).
     disable_log_stats: bool = False
@@ -119,7 +122,7 @@ class EngineArgs:
         hf_config = None
         max_model_len = self.max_model_len or 2048
         if self.model is not None:
-            hf_config = load_hf_config(self.model, self.trust_remote_code)
+            hf_config = load_hf_config(self.model, self.trust_remote_code, self.hf_overrides)
             max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         return ModelConfig(
             model=self.model,

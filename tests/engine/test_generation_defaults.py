@@ -89,6 +89,8 @@ def test_the_override_flag_takes_a_json_object(tmp_path, capsys):
     args = parser.parse_args([flag, '{"temperature": 0.5}'])
     assert EngineArgs.from_cli_args(args).override_generation_config == {"temperature": 0.5}
     assert parser.parse_args([]).override_generation_config is None
+    args = parser.parse_args(["--hf-overrides", '{"max_position_embeddings": 64}'])
+    assert EngineArgs.from_cli_args(args).hf_overrides == {"max_position_embeddings": 64}
     for bad in ("[1]", "{temperature: 0.5}"):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, bad])

@@ -57,6 +57,22 @@ def test_other_architectures_equal_transformers(tmp_path, arch):
     assert got == hf_greedy(load_hf_model(checkpoint), PROMPTS, GREEDY.max_tokens)
 
 
+def test_hf_overrides_reach_the_engine_and_its_workers(llama_checkpoint, hf_model):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rope = {"rope_theta": 100.0, "rope_type": "default"}
+    overrides = {"rope_parameters": rope, "max_position_embeddings": 96}
+    with make_llm(
+        llama_checkpoint, hf_overrides=overrides, max_model_len=None, tensor_parallel_size=2
+    ) as llm:
+        assert llm.config.scheduler_config.max_model_len == 96  # the context follows
+        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    config = AutoConfig.from_pretrained(llama_checkpoint, **overrides)
+    overridden = AutoModelForCausalLM.from_pretrained(llama_checkpoint, config=config).eval()
+    assert got == hf_greedy(overridden, PROMPTS, GREEDY.max_tokens)
+    assert got != hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)  # the override mattered
+
+
 def test_trust_remote_code_runs_a_checkpoint_with_its_own_config_class(
     llama_checkpoint, hf_model, tmp_path
 ):

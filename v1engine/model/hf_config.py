@@ -41,10 +41,13 @@ class HFConfig(types.SimpleNamespace):
     at start-up). Read attributes, or `getattr(config, name, default)` for optional ones."""
 
 
-def load_hf_config(model: str, trust_remote_code: bool = False) -> HFConfig:
+def load_hf_config(
+    model: str, trust_remote_code: bool = False, overrides: dict[str, Any] | None = None
+) -> HFConfig:
     """The transformers config of a local HF directory or `.gguf` file (weights are not read; a
     GGUF file's config is read from its converted directory, see `prepare_checkpoint`);
-    `trust_remote_code` lets a config class of the checkpoint's own (`auto_map`) run.
+    `trust_remote_code` lets a config class of the checkpoint's own (`auto_map`) run;
+    `overrides` (vLLM's hf_overrides) replace or add its top-level values.
 
     Raises:
         ValueError: `model` is neither a directory with config.json nor a .gguf file, or its
@@ -61,7 +64,7 @@ def load_hf_config(model: str, trust_remote_code: bool = False) -> HFConfig:
             "v1engine loads local checkpoints only (download one first, e.g. with "
             "`huggingface-cli download`, and pass its directory)"
         )
-    config = HFConfig(**_config_dict(path, trust_remote_code))
+    config = HFConfig(**{**_config_dict(path, trust_remote_code), **(overrides or {})})
     if not getattr(config, "architectures", None):
         # GGUF metadata names the model type but not the HF class.
         arch = architecture_for_model_type(getattr(config, "model_type", None))
