@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
@@ -30,7 +31,6 @@ _UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 def make_arg_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: every process multiprocessing spawns (the engine core, each
     # worker) re-imports this module first, and these pull in fastapi (~0.3 s each).
-    from v1engine.entrypoints.openai import tls
     from v1engine.entrypoints.openai.limits import RequestLimits
     from v1engine.entrypoints.openai.serving_options import ServingOptions
 
@@ -38,7 +38,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
         prog="python -m v1engine.serve",
         description="OpenAI-compatible HTTP server for one node (one worker per device).",
     )
-    server = parser.add_argument_group("server")
+    _add_server_args(parser.add_argument_group("server"))
+    RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
+    ServingOptions.add_cli_args(parser.add_argument_group("serving"))
+    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
+    return parser
+
+
+def _add_server_args(server: Any) -> None:
+    from v1engine.entrypoints.openai import tls
+
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     server.add_argument(
@@ -69,11 +78,15 @@ def make_arg_parser() -> argparse.ArgumentParser:
         choices=_UVICORN_LOG_LEVELS,
         help="uvicorn's own log level (debug also logs each request)",
     )
+    server.add_argument(
+        "--root-path", default="", help="the path prefix of a proxy in front of the server"
+    )
+    server.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no API docs (/docs, /redoc, /openapi.json)",
+    )
     tls.add_cli_args(server)
-    RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
-    ServingOptions.add_cli_args(parser.add_argument_group("serving"))
-    EngineArgs.add_cli_args(parser.add_argument_group("engine"))
-    return parser
 
 
 def _json_str_list(text: str) -> list[str]:

@@ -19,7 +19,7 @@ from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine_args import EngineArgs
-from v1engine.entrypoints.openai.api_server import build_app, build_state
+from v1engine.entrypoints.openai.api_server import HTTPOptions, build_app, build_state
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.protocol import CompletionResponse
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -251,6 +251,24 @@ def test_a_stream_that_fails_ends_with_an_error_event(tokenizer, monkeypatch):
     assert error["message"] == "internal server error; the server log has the details"
     assert error["code"] == 500 and set(error) == {"message", "type", "param", "code"}
     assert events[2:] == ["[DONE]"]
+
+
+def test_docs_can_be_switched_off_and_carry_the_proxys_root_path(tokenizer):
+    async def get(http_options: HTTPOptions, root_path: str, *paths: str) -> list[httpx.Response]:
+        engine = AsyncLLM(FakeClient(), tokenizer, EngineConfig(), ServerMetrics("m", 2048))
+        app = build_app(build_state(engine, tokenizer, ["m"], "/model"), http_options)
+        transport = httpx.ASGITransport(app, root_path=root_path)  # as uvicorn's --root-path
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return [await http.get(path) for path in paths]
+
+    args = make_arg_parser().parse_args(["--root-path", "/llm", "--disable-fastapi-docs"])
+    options = HTTPOptions.from_cli_args(args)
+    assert (args.root_path, options.disable_docs) == ("/llm", True)
+    paths = ("/openapi.json", "/docs", "/redoc", "/health", "/v1/models")
+    codes = [r.status_code for r in asyncio.run(get(options, "/llm", *paths))]
+    assert codes == [404, 404, 404, 200, 200]
+    schema, docs = asyncio.run(get(HTTPOptions(), "/llm", "/openapi.json", "/docs"))
+    assert schema.json()["servers"] == [{"url": "/llm"}] and "/llm/openapi.json" in docs.text
 
 
 def test_every_engine_arg_and_request_limit_is_a_flag():

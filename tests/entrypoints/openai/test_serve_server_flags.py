@@ -4,8 +4,9 @@ the response, one id may serve two requests at once, a bad id is a 400 naming wh
 --enable-request-id-headers puts an X-Request-Id on every response, --return-tokens-as-token-ids
 names every request's logprob tokens by id, --enable-log-requests logs requests (prompts cut to
 --max-log-len), --allowed-origins limits CORS to the origins given, --scheduling-policy priority
-takes each request's `priority`, and the periodic stats line (vLLM's "Avg prompt throughput:
-...") reports the work done."""
+takes each request's `priority`, --root-path serves behind a proxy's prefix,
+--disable-fastapi-docs serves no docs, and the periodic stats line (vLLM's "Avg prompt
+throughput: ...") reports the work done."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def server(tiny_model, tmp_path_factory):
     flags = ("--enable-request-id-headers", "--return-tokens-as-token-ids")
     flags += ("--enable-log-requests", "--max-log-len", "10")
     flags += ("--allowed-origins", f'["{ORIGIN}"]', "--scheduling-policy", "priority")
+    flags += ("--root-path", "/llm", "--disable-fastapi-docs")
     yield from serve_module(
         tiny_model,
         tmp_path_factory,
@@ -39,6 +41,13 @@ def server(tiny_model, tmp_path_factory):
         tp=1,
         env={"V1ENGINE_LOG_STATS_INTERVAL": "0.2"},
     )
+
+
+def test_behind_a_proxy_that_strips_its_prefix_the_routes_answer(server):
+    # --root-path /llm: the proxy serves /llm/... and forwards it without the prefix.
+    for path in ("/health", "/v1/models"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert httpx.get(server.url + "/openapi.json").status_code == 404  # no docs
 
 
 def test_the_clients_id_names_the_response(client):

@@ -244,6 +244,8 @@ class HTTPOptions:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # vLLM's: no API docs (/docs, /redoc, /openapi.json).
+    disable_docs: bool = False
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> HTTPOptions:
@@ -254,12 +256,15 @@ class HTTPOptions:
             args.allowed_methods,
             args.allowed_headers,
             args.allow_credentials,
+            args.disable_fastapi_docs,
         )
 
 
 def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
     http = http or HTTPOptions()
-    app = FastAPI(title="v1engine", version=__version__)
+    no_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    docs = no_docs if http.disable_docs else {}
+    app = FastAPI(title="v1engine", version=__version__, **docs)
     app.state.server = state
     app.include_router(router)
     # The last added runs first: errors wrap everything, and the key is checked before the body
@@ -326,6 +331,7 @@ async def serve(
             access_log=args.uvicorn_log_level in ("debug", "trace"),
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,
             lifespan="off",
+            root_path=args.root_path,  # a proxy's path prefix: links in the API docs carry it
             **uvicorn_tls_kwargs(args),
         ),
         engine,
