@@ -324,18 +324,7 @@ async def serve(
     `stats_interval_s` (None: never)."""
     engine = state.engine
     config: EngineConfig = engine.config
-    server = _Server(
-        uvicorn.Config(
-            build_app(state, HTTPOptions.from_cli_args(args)),
-            log_level=args.uvicorn_log_level,
-            access_log=args.uvicorn_log_level in ("debug", "trace"),
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,
-            lifespan="off",
-            root_path=args.root_path,  # a proxy's path prefix: links in the API docs carry it
-            **uvicorn_tls_kwargs(args),
-        ),
-        engine,
-    )
+    server = _Server(_uvicorn_config(args, state), engine)
     engine.start(on_dead=lambda: setattr(server, "should_exit", True))
     stats = None
     if stats_interval_s is not None:
@@ -367,6 +356,18 @@ async def serve(
         return 1
     logger.info("server stopped")
     return 0
+
+
+def _uvicorn_config(args: argparse.Namespace, state: ServerState) -> uvicorn.Config:
+    return uvicorn.Config(
+        build_app(state, HTTPOptions.from_cli_args(args)),
+        log_level=args.uvicorn_log_level,
+        access_log=args.uvicorn_log_level in ("debug", "trace"),
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S + _END_RESPONSES_S,
+        lifespan="off",
+        root_path=args.root_path,  # a proxy's path prefix: links in the API docs carry it
+        **uvicorn_tls_kwargs(args),
+    )
 
 
 class _Server(uvicorn.Server):
