@@ -216,9 +216,13 @@ def test_ray_backend_without_ray_says_how_to_install(monkeypatch):
         Executor.get_class(make_config(backend="ray"))
 
 
-def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor):
+def test_shutdown_escalates_to_sigkill_for_a_wedged_worker(executor, monkeypatch):
     from tests.executor.rpc_worker import ignore_sigterm_and_sleep
+    from v1engine import process
 
+    # The same escalation with shorter steps (5 s, then 7 s twice, in the library).
+    monkeypatch.setattr(process, "GRACEFUL_STOP_S", 1.0)
+    monkeypatch.setattr(process, "TERMINATE_STOP_S", 1.5)
     pids = executor.collective_rpc("get_pid")
     executor.collective_rpc(ignore_sigterm_and_sleep, args=(120.0,), non_block=True)
     time.sleep(0.3)
