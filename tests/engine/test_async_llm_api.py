@@ -102,3 +102,8 @@ def test_shutdown_ends_running_requests_and_refuses_new_ones(checkpoint):
         engine.shutdown()  # idempotent
 
     asyncio.run(main())
+
+
+def test_a_bad_model_fails_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="neither a local directory with a config.json"):
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "missing"), device="cpu"))
