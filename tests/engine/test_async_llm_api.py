@@ -1,6 +1,7 @@
 """vLLM's asyncio API, `AsyncLLM.from_engine_args` and `generate`, on a real engine core process
 (a random 2-layer llama with SmolLM2's tokenizer): the same greedy tokens as `LLM`, whatever the
-output kind or how many requests run at once; leaving a request's iteration early aborts it;
+output kind or how many requests run at once; closing a request's iteration early, or `abort`
+with its id, aborts it;
 bad input fails the request, not the engine; `shutdown` ends what runs and leaves nothing."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
 from tests.timeouts import scaled
 from v1engine import AsyncLLM, EngineArgs, SamplingParams
-from v1engine.engine.core_process import EngineDeadError
+from v1engine.engine.core_process import EngineDeadError, RequestAbortedError
 from v1engine.entrypoints.llm import LLM
 
 _ENGINE_ARGS = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20)
@@ -80,6 +81,13 @@ def test_leaving_early_aborts_and_bad_input_fails_only_its_request(checkpoint, e
             await _collect(engine.generate(PROMPT, SamplingParams(max_tokens=0), "y"))
         with pytest.raises(ValueError, match="a prompt must be a str"):
             await _collect(engine.generate(3.5, GREEDY, "z"))  # type: ignore[arg-type]
+        # Aborted by its id (vLLM's abort, synchronous here): its reader is told.
+        outputs = engine.generate(PROMPT, long, "w")
+        await anext(outputs)
+        engine.abort("w")
+        with pytest.raises(RequestAbortedError, match="was aborted"):
+            await _collect(outputs)
+        assert not engine.output_processor.has_unfinished_requests()
         # The aborted request's id again: only the new request's outputs come (the old one's
         # last outputs may still be on their way).
         return await _collect(engine.generate({"prompt": PROMPT}, GREEDY, "x"))

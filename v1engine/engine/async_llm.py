@@ -75,6 +75,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._background: set[asyncio.Task] = set()  # abort sends, kept alive until done
         self._beam_searches: dict[str, asyncio.Task] = {}  # request id -> its search's steps
+        self._generate_ids: dict[str, str] = {}  # `generate`'s request id -> its engine id
         self._output_loop: asyncio.Task | None = None
         self._on_dead: Callable[[], None] | None = None
 
@@ -115,18 +116,11 @@ class AsyncLLM:
         Raises ValueError / RuntimeError for bad arguments or an engine that cannot start."""
         from v1engine.engine.core_client import EngineCoreClient
         from v1engine.model.hf_config import default_model_path
-        from v1engine.tokenizer import BackgroundTokenizerLoad
 
         if engine_args.model is None:
             engine_args = dataclasses.replace(engine_args, model=default_model_path())
         config = engine_args.create_engine_config()
-        with BackgroundTokenizerLoad(config.model_config) as loading:
-            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
-            try:
-                tokenizer = loading.result()
-            except BaseException:
-                client.shutdown()
-                raise
+        client, tokenizer = EngineCoreClient.start_with_tokenizer(config, multiprocess=True)
         max_model_len = config.scheduler_config.max_model_len
         return cls(client, tokenizer, config, ServerMetrics(engine_args.model, max_model_len))
 
@@ -154,10 +148,13 @@ class AsyncLLM:
         outputs = await self.add_request(
             engine_id, text, token_ids, params, output_kind, priority, salt
         )
+        self._generate_ids[request_id] = engine_id
         try:
             async for output in outputs:
                 yield dataclasses.replace(output, request_id=request_id)
         finally:
+            if self._generate_ids.get(request_id) == engine_id:  # not a later call's, same id
+                del self._generate_ids[request_id]
             await outputs.aclose()  # aborts the request if it still runs
 
     def shutdown(self) -> None:
@@ -314,9 +311,10 @@ class AsyncLLM:
             self.abort(request_id)
 
     def abort(self, request_id: str, outcome: str | None = "abort") -> None:
-        """Forgets the request and aborts what of it still runs in the core. Synchronous (the
-        send goes on in a task), so it works inside a cancelled task or a closing generator.
-        """
+        """Forgets the request (a `generate` request by its caller's id) and aborts what of it
+        still runs in the core; its reader gets a RequestAbortedError. Synchronous (the send
+        goes on in a task), so it works inside a cancelled task or a closing generator."""
+        request_id = self._generate_ids.get(request_id, request_id)
         self._abort_in_core(self._forget(request_id, outcome))
 
     def _forget(self, request_id: str, outcome: str | None) -> list[str]:

@@ -47,6 +47,7 @@ from v1engine.engine.core_process import (
 from v1engine.executor.errors import WorkerDiedError
 from v1engine.executor.rpc_call import RpcCall
 from v1engine.request import EngineCoreOutputs, EngineCoreRequest, validate_request
+from v1engine.tokenizer import BackgroundTokenizerLoad
 
 __all__ = ["AsyncMPClient", "EngineCoreClient", "EngineDeadError", "InprocClient", "MPClient"]
 
@@ -78,6 +79,21 @@ class EngineCoreClient(ABC):
                 "every step, and a blocking client of a core process is a test helper"
             )
         return AsyncMPClient(config) if multiprocess else InprocClient(config)
+
+    @staticmethod
+    def start_with_tokenizer(
+        config: EngineConfig, multiprocess: bool, skip_tokenizer: bool = False, **load: Any
+    ) -> tuple[InprocClient | AsyncMPClient, Any]:
+        """`make_client` (asyncio with `multiprocess`) while the tokenizer loads on a thread
+        (`BackgroundTokenizerLoad`, given `load`); returns both, or stops the engine and raises
+        when the tokenizer fails. Start-up runs on this thread, so Ctrl-C stops it at once."""
+        with BackgroundTokenizerLoad(config.model_config, skip_tokenizer, **load) as loading:
+            client = EngineCoreClient.make_client(config, multiprocess, asyncio_mode=multiprocess)
+            try:
+                return client, loading.result()
+            except BaseException:
+                client.shutdown()
+                raise
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -34,7 +34,6 @@ from v1engine.outputs import (
 )
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
-from v1engine.tokenizer import BackgroundTokenizerLoad
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -69,15 +68,9 @@ class LLM:
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
         if self.config.model_config.sampling_defaults:
             logger.info(describe(self.config.model_config))
-        with BackgroundTokenizerLoad(self.config.model_config, skip_tokenizer_init) as loading:
-            self.client = EngineCoreClient.make_client(
-                self.config, multiprocess=False, asyncio_mode=False
-            )
-            try:
-                self.tokenizer = loading.result()
-            except BaseException:
-                self.client.shutdown()
-                raise
+        self.client, self.tokenizer = EngineCoreClient.start_with_tokenizer(
+            self.config, multiprocess=False, skip_tokenizer=skip_tokenizer_init
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.processor = Processor(
             self.config, self.tokenizer, self.output_processor, self.client.info

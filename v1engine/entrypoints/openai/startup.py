@@ -25,7 +25,6 @@ from v1engine.engine.stat_logger import log_stats_interval_s
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
 from v1engine.process import install_sigterm_handler
-from v1engine.tokenizer import BackgroundTokenizerLoad
 
 logger = init_logger(__name__)
 
@@ -60,22 +59,23 @@ def run_server(args: argparse.Namespace) -> int:
     names = served_model_names(args.served_model_name, args.model, engine_args.model)
     sock = bind_socket(args.host, args.port)
     try:
-        with BackgroundTokenizerLoad(config.model_config, preload=_APP_MODULE) as loading:
-            # On this thread, outside any event loop, so Ctrl-C interrupts a slow start-up at once.
-            client = EngineCoreClient.make_client(config, multiprocess=True, asyncio_mode=True)
-            try:
-                tokenizer = loading.result()
-                # All loaded on the helper thread by now.
-                from v1engine.engine.async_llm import AsyncLLM
-                from v1engine.engine.metrics import ServerMetrics
-                from v1engine.entrypoints.openai.api_server import build_state, serve
+        # Outside any event loop, so Ctrl-C interrupts a slow start-up at once; the app's
+        # imports run on the tokenizer's thread meanwhile.
+        client, tokenizer = EngineCoreClient.start_with_tokenizer(
+            config, multiprocess=True, preload=_APP_MODULE
+        )
+        try:
+            # All loaded on the helper thread by now.
+            from v1engine.engine.async_llm import AsyncLLM
+            from v1engine.engine.metrics import ServerMetrics
+            from v1engine.entrypoints.openai.api_server import build_state, serve
 
-                metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
-                engine = AsyncLLM(client, tokenizer, config, metrics)
-                state = build_state(engine, tokenizer, names, engine_args.model, limits, options)
-                return asyncio.run(serve(args, state, sock, stats_interval_s))
-            finally:
-                client.shutdown()
+            metrics = ServerMetrics(names[0], config.scheduler_config.max_model_len)
+            engine = AsyncLLM(client, tokenizer, config, metrics)
+            state = build_state(engine, tokenizer, names, engine_args.model, limits, options)
+            return asyncio.run(serve(args, state, sock, stats_interval_s))
+        finally:
+            client.shutdown()
     finally:
         sock.close()
 
