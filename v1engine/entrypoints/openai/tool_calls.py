@@ -152,13 +152,8 @@ class ToolCallStream:
     def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         deltas = []
         for index, new, arguments in self._reader.feed(delta):
-            if new is not None:
-                head = DeltaFunctionCall(name=new.name, arguments="")
-                deltas.append(DeltaToolCall(index=index, id=new.id, type="function", function=head))
-            if arguments:
-                deltas.append(
-                    DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments))
-                )
+            head = None if new is None else (new.id, new.name)
+            deltas += _call_deltas(index, head, arguments)
         calls = self._reader.calls
         self.calls = [_tool_call(c.id, c.name, c.arguments) for c in calls]
         if finished and not calls:
@@ -171,10 +166,18 @@ def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
     arguments (whose deltas, concatenated, are the call's arguments)."""
     deltas = []
     for index, call in enumerate(calls):
-        head = DeltaFunctionCall(name=call.function.name, arguments="")
-        deltas.append(DeltaToolCall(index=index, id=call.id, type="function", function=head))
-        arguments = DeltaFunctionCall(arguments=call.function.arguments)
-        deltas.append(DeltaToolCall(index=index, function=arguments))
+        deltas += _call_deltas(index, (call.id, call.function.name), call.function.arguments)
+    return deltas
+
+
+def _call_deltas(index: int, head: tuple[str, str] | None, arguments: str) -> list[DeltaToolCall]:
+    """Call `index`'s deltas: its head (`(id, name)`, when it starts here), then `arguments`."""
+    deltas = []
+    if head is not None:
+        name = DeltaFunctionCall(name=head[1], arguments="")
+        deltas.append(DeltaToolCall(index=index, id=head[0], type="function", function=name))
+    if arguments:
+        deltas.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments)))
     return deltas
 
 
