@@ -171,8 +171,8 @@ class AsyncLLM:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
         self.shutdown()
+        await self.stop()  # waits for the tasks the shutdown cancelled
 
     # -- requests ------------------------------------------------------------------------------
     async def add_request(
