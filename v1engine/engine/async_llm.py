@@ -151,7 +151,8 @@ class AsyncLLM:
         self._generate_ids[request_id] = engine_id
         try:
             async for output in outputs:
-                yield dataclasses.replace(output, request_id=request_id)
+                output.request_id = request_id  # a new object each step: the caller's id
+                yield output
         finally:
             if self._generate_ids.get(request_id) == engine_id:  # not a later call's, same id
                 del self._generate_ids[request_id]

@@ -82,12 +82,16 @@ class EngineCoreClient(ABC):
 
     @staticmethod
     def start_with_tokenizer(
-        config: EngineConfig, multiprocess: bool, skip_tokenizer: bool = False, **load: Any
+        config: EngineConfig,
+        multiprocess: bool,
+        skip_tokenizer: bool = False,
+        preload: str | None = None,
     ) -> tuple[InprocClient | AsyncMPClient, Any]:
         """`make_client` (asyncio with `multiprocess`) while the tokenizer loads on a thread
-        (`BackgroundTokenizerLoad`, given `load`); returns both, or stops the engine and raises
-        when the tokenizer fails. Start-up runs on this thread, so Ctrl-C stops it at once."""
-        with BackgroundTokenizerLoad(config.model_config, skip_tokenizer, **load) as loading:
+        (`BackgroundTokenizerLoad`: `skip_tokenizer`, `preload`); returns both, or stops the
+        engine and raises when the tokenizer fails. Start-up runs on this thread, so Ctrl-C
+        stops it at once."""
+        with BackgroundTokenizerLoad(config.model_config, skip_tokenizer, preload) as loading:
             client = EngineCoreClient.make_client(config, multiprocess, asyncio_mode=multiprocess)
             try:
                 return client, loading.result()

@@ -136,7 +136,7 @@ class ForcedCallReader:
         if element.call is None:
             element.call = new = _new_call(element.name)
             self.calls.append(new)
-        index = self.calls.index(element.call)
+        index = len(self.calls) - 1  # the current element's call is the latest
         if element.args_start is None:
             if new is not None:
                 self._pieces.append((index, new, ""))

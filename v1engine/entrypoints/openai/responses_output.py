@@ -35,6 +35,8 @@ from v1engine.entrypoints.openai.protocol_responses import (
     ResponsesResponse,
     ResponseUsage,
 )
+from v1engine.entrypoints.openai.protocol_structured import DeltaToolCall
+from v1engine.entrypoints.openai.tool_calls import tool_call_deltas
 
 
 class ResponseBuilder:
@@ -58,28 +60,34 @@ class ResponseBuilder:
         self._emit("response.in_progress", response=self.response)
 
     def add_stream_choice(self, choice: ChatStreamChoice) -> None:
-        """One streamed chat delta (its calls come whole, each as a head, then arguments)."""
+        """One streamed chat delta."""
         delta = choice.delta
-        if delta.reasoning:
-            self.add_reasoning(delta.reasoning)
-        if delta.content:
-            self.add_text(delta.content, choice.logprobs and choice.logprobs.content)
-        for call in delta.tool_calls or []:
+        logprobs = choice.logprobs and choice.logprobs.content
+        self._add(delta.reasoning, delta.content, logprobs, delta.tool_calls or [])
+
+    def add_choice(self, choice: ChatChoice) -> None:
+        """A whole chat reply: one delta holding all of it."""
+        message = choice.message
+        logprobs = choice.logprobs and choice.logprobs.content
+        calls = tool_call_deltas(message.tool_calls)
+        self._add(message.reasoning, message.content, logprobs, calls)
+
+    def _add(
+        self,
+        reasoning: str | None,
+        content: str | None,
+        logprobs: list[ChatTokenLogprob] | None,
+        calls: list[DeltaToolCall],
+    ) -> None:
+        if reasoning:
+            self.add_reasoning(reasoning)
+        if content:
+            self.add_text(content, logprobs)
+        for call in calls:  # a call's head (with its id), then pieces of its arguments
             if call.id is not None:
                 self.add_call(call.id, call.function.name or "")
             if call.function.arguments:
                 self.add_arguments(call.function.arguments)
-
-    def add_choice(self, choice: ChatChoice) -> None:
-        """A whole chat reply."""
-        message = choice.message
-        if message.reasoning:
-            self.add_reasoning(message.reasoning)
-        if message.content:
-            self.add_text(message.content, choice.logprobs and choice.logprobs.content)
-        for call in message.tool_calls:
-            self.add_call(call.id, call.function.name)
-            self.add_arguments(call.function.arguments)
 
     def add_reasoning(self, delta: str) -> None:
         item = self._open
@@ -143,7 +151,7 @@ class ResponseBuilder:
     def _open_item(self, item: Any) -> Any:
         self._close(incomplete=False)
         self.response.output.append(item)
-        self._emit("response.output_item.added", output_index=self._index(item), item=item)
+        self._emit("response.output_item.added", output_index=self._open_index, item=item)
         self._open = item
         return item
 
@@ -168,13 +176,15 @@ class ResponseBuilder:
             else:
                 self._emit("response.reasoning_text.done", **self._at(item), text=part.text)
             self._emit_part("response.content_part.done", item, part)
-        self._emit("response.output_item.done", output_index=self._index(item), item=item)
+        self._emit("response.output_item.done", output_index=self._open_index, item=item)
 
-    def _index(self, item: OutputItem) -> int:
-        return next(i for i, x in enumerate(self.response.output) if x is item)
+    @property
+    def _open_index(self) -> int:
+        """The open (or closing) item's index: it is always the last item of the output."""
+        return len(self.response.output) - 1
 
     def _at(self, item: OutputItem) -> dict[str, Any]:
-        return {"item_id": item.id, "output_index": self._index(item)}
+        return {"item_id": item.id, "output_index": self._open_index}
 
     def _emit_part(self, kind: str, item: OutputItem, part: BaseModel) -> None:
         self._emit(kind, **self._at(item), content_index=0, part=part)

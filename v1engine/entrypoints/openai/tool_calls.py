@@ -112,9 +112,7 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
         return content, tool_calls
     reader = ForcedCallReader(mode.named)
     reader.feed(text)
-    if not reader.calls:
-        return None
-    return None, [_tool_call(c.id, c.name, c.arguments) for c in reader.calls]
+    return (None, _tool_calls(reader)) if reader.calls else None
 
 
 class ToolCallStream:
@@ -154,9 +152,10 @@ class ToolCallStream:
         for index, new, arguments in self._reader.feed(delta):
             head = None if new is None else (new.id, new.name)
             deltas += _call_deltas(index, head, arguments)
-        calls = self._reader.calls
-        self.calls = [_tool_call(c.id, c.name, c.arguments) for c in calls]
-        if finished and not calls:
+        if not finished:
+            return "", deltas
+        self.calls = _tool_calls(self._reader)
+        if not self.calls:
             return self.text, []  # no call was named: the reply is content
         return "", deltas
 
@@ -183,6 +182,10 @@ def _call_deltas(index: int, head: tuple[str, str] | None, arguments: str) -> li
 
 def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:
     return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+
+
+def _tool_calls(reader: ForcedCallReader) -> list[ToolCall]:
+    return [_tool_call(c.id, c.name, c.arguments) for c in reader.calls]
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
