@@ -70,6 +70,7 @@ def test_the_request_becomes_chats() -> None:
             "top_logprobs": 3,
             "top_k": 4,
             "unknown": 1,
+            "include": ["message.output_text.logprobs", "reasoning.encrypted_content"],
         }
     )
     chat = chat_request(request, input_messages(request.input))
@@ -78,7 +79,8 @@ def test_the_request_becomes_chats() -> None:
     assert chat.tools[0].function.name == "f" and chat.tool_choice.function.name == "f"
     assert chat.response_format.json_schema.json_schema == {"type": "object"}
     assert (chat.logprobs, chat.top_logprobs) == (True, 3)
-    assert chat.ignored_fields == ["unknown"]  # the Responses request's, logged by chat's check
+    # The Responses request's, logged by chat's check: an `include` it cannot honour too.
+    assert chat.ignored_fields == ["unknown", "include.reasoning.encrypted_content"]
 
 
 def _response(response_id: str) -> ResponsesResponse:

@@ -97,6 +97,12 @@ class ResponsesRequest(_NotesIgnoredFields):
     ignore_eos: bool = False
 
     @property
+    def ignored_fields(self) -> list[str]:
+        """The body's unknown fields, and the `include` values this server does not send."""
+        ignored = [f"include.{value}" for value in self.include or [] if value != LOGPROBS_INCLUDE]
+        return self._ignored_fields + ignored
+
+    @property
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None
 
