@@ -19,6 +19,7 @@ from v1engine.config import (
     SchedulerConfig,
 )
 from v1engine.engine_args import EngineArgs
+from v1engine.lora.request import LoRARequest
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -38,6 +39,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "EngineCore",
+    "LoRARequest",
     "ModelConfig",
     "ParallelConfig",
     "PoolingParams",

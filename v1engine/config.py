@@ -158,9 +158,34 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (vLLM's names); an engine without one refuses LoRA requests."""
+
+    max_loras: int = 1  # adapters in one step: each worker holds this many slots per projection
+    max_lora_rank: int = 16
+    # Adapters each worker keeps loaded (on the host) for reuse; None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{name} must be >= 1, got {value}")
+        cpu = self.max_cpu_loras
+        _require(
+            cpu is None or cpu >= self.max_loras,
+            f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {cpu}",
+        )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    lora_config: LoRAConfig | None = None  # None: LoRA requests are refused

@@ -64,6 +64,7 @@ class EngineCoreInfo(msgspec.Struct, array_like=True):
     block_size: int  # tokens per block
     max_model_len: int
     vocab_size: int | None  # None: a model-free worker class (requests' ids go unchecked)
+    max_loras: int = 0  # LoRA adapters one step may run; 0: LoRA requests are refused
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

@@ -19,6 +19,7 @@ from v1engine.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -74,6 +75,12 @@ class EngineArgs:
     disable_log_stats: bool = False
     # vLLM's: "pooling" serves embeddings (LLM.embed, /v1/embeddings) instead of generating.
     runner: str = "auto"
+    # vLLM's LoRA serving: requests may name an adapter (LoRARequest; the server's
+    # --lora-modules); at most `max_loras` adapters run in one step.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
@@ -103,6 +110,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=self.device),
+            lora_config=self._lora_config(),
         )
         if hf_config is not None:
             from v1engine.model.hf_config import check_tensor_parallel_shape, get_architecture
@@ -110,6 +118,13 @@ class EngineArgs:
             get_architecture(hf_config)  # an unsupported architecture fails here, in-process
             check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
         return config
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.runner == "pooling":
+            raise ValueError("enable_lora serves generation only; drop it or --runner pooling")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _model_config(self) -> ModelConfig:
         """The model's part: its transformers config, the context length resolved against it,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from v1engine.lora.request import LoRARequest
 from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ class NewRequestData:
     # One block-id list per KV cache group.
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

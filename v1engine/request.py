@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from v1engine.core_protocol import EngineCoreInfo
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import LogprobsLists
 from v1engine.sampling_params import SamplingParams
 
@@ -33,21 +35,21 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0  # with the "priority" scheduling policy: lower is served first
     # vLLM's: requests share prefix-cache blocks only with requests of the same salt.
     cache_salt: str | None = None
+    # The LoRA adapter it runs with; None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 def validate_request(
-    request: EngineCoreRequest,
-    max_model_len: int,
-    vocab_size: int | None,
-    live_request_ids: Container[str],
+    request: EngineCoreRequest, info: EngineCoreInfo, live_request_ids: Container[str]
 ) -> None:
-    """The one check of a request against the engine's limits: at the edge (the processor,
-    before anything is sent) and again in the core, which cannot trust its socket.
+    """The one check of a request against the engine's limits (`info`): at the edge (the
+    processor, before anything is sent) and again in the core, which cannot trust its socket.
 
     Raises:
         ValueError: the request cannot be served; the message says why and what to change.
     """
     request_id, prompt = request.request_id, request.prompt_token_ids
+    max_model_len, vocab_size = info.max_model_len, info.vocab_size
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a str, got {request_id!r}")
     if not prompt:
@@ -71,6 +73,11 @@ def validate_request(
     salt = request.cache_salt
     if salt is not None and not (isinstance(salt, str) and salt):
         raise ValueError(f"cache_salt must be a non-empty string (or None), got {salt!r}")
+    if request.lora_request is not None and info.max_loras == 0:
+        raise ValueError(
+            f"request {request_id!r} names LoRA adapter {request.lora_request.lora_name!r} but "
+            "this engine serves no adapters; start it with enable_lora=True (--enable-lora)"
+        )
     request.sampling_params.validate()
     if vocab_size is not None:
         _check_sampling_token_ids(request_id, request.sampling_params, vocab_size)
@@ -160,10 +167,12 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         if sampling_params.min_tokens > 0 and sampling_params._eos_token_id != eos_token_id:
             # The workers mask EOS until min_tokens and know it only from the params (a copy:
@@ -205,6 +214,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=request.lora_request,
         )
 
     @property
@@ -224,6 +234,11 @@ class Request:
         """Known tokens plus those scheduled steps will sample: where the next step starts
         sampling again."""
         return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0: the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def use_structured_output(self) -> bool:

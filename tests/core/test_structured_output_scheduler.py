@@ -27,6 +27,7 @@ from tests.core.fake_worker import (
 from v1engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from v1engine.core.scheduler import Scheduler
 from v1engine.core.structured_output_manager import StructuredOutputManager
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
 from v1engine.request import EngineCoreRequest, FinishReason, RequestStatus, validate_request
 from v1engine.sampling_params import SamplingParams
@@ -208,4 +209,4 @@ def test_a_reasoning_end_token_outside_the_vocabulary_is_refused() -> None:
     structured = StructuredOutputsParams(regex=REGEX, _reasoning_end_token_id=10**6)
     request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=structured))
     with pytest.raises(ValueError, match=r"structured_outputs has token ids \[1000000\]"):
-        validate_request(request, 128, 49152, set())
+        validate_request(request, EngineCoreInfo(0, 16, 128, 49152), set())

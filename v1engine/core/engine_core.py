@@ -72,6 +72,7 @@ class EngineCore:
             block_size=config.cache_config.block_size,
             max_model_len=config.scheduler_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
+            max_loras=0 if config.lora_config is None else config.lora_config.max_loras,
         )
         # None for a model-free worker class (validate_request refuses structured outputs).
         self.structured_output_manager = None
@@ -84,6 +85,7 @@ class EngineCore:
             config.cache_config,
             kv_cache_config,
             self.structured_output_manager,
+            self.info.max_loras,
         )
         # Steps sent to the workers whose outputs are not processed yet, oldest first: one,
         # or two while async scheduling runs the workers a step ahead.
@@ -130,9 +132,9 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request. Raises ValueError (and changes nothing) when it cannot be served."""
-        info = self.info
-        validate_request(request, info.max_model_len, info.vocab_size, self.scheduler.requests)
-        self.scheduler.add_request(Request.from_engine_core_request(request, info.max_model_len))
+        validate_request(request, self.info, self.scheduler.requests)
+        max_model_len = self.info.max_model_len
+        self.scheduler.add_request(Request.from_engine_core_request(request, max_model_len))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

@@ -36,12 +36,18 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def hash_block_tokens(
-    parent_block_hash: bytes | None, token_ids: list[int], cache_salt: str | None = None
+    parent_block_hash: bytes | None,
+    token_ids: list[int],
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> bytes:
     """The chained hash of one full block: stable across processes and runs. A first block's
-    `cache_salt` (vLLM's) is hashed with it, so every block of a salted request differs from
-    every block of another salt or none."""
-    key = (parent_block_hash, token_ids) if cache_salt is None else (None, token_ids, cache_salt)
+    `cache_salt` (vLLM's) and LoRA adapter are hashed with it, so every block of a salted
+    request, or of one run with an adapter, differs from every block of another salt or
+    adapter (the chain carries the first block's hash into all later ones)."""
+    key: tuple = (parent_block_hash, token_ids)
+    if cache_salt is not None or lora_name is not None:
+        key = (None, token_ids, cache_salt, lora_name)
     return hashlib.sha256(_encoder.encode(key)).digest()
 
 
@@ -222,7 +228,9 @@ class KVCacheManager:
             if block_hashes:
                 block_hashes.append(hash_block_tokens(block_hashes[-1], tokens))
             else:
-                block_hashes.append(hash_block_tokens(None, tokens, request.cache_salt))
+                lora = request.lora_request
+                lora_name = None if lora is None else lora.lora_name
+                block_hashes.append(hash_block_tokens(None, tokens, request.cache_salt, lora_name))
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks; cached ones stay findable until evicted.

@@ -12,7 +12,8 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    request may end up preempting itself.
 2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
    head of the queue is never overtaken, except by requests whose structured-output grammar
-   is still compiling: those are skipped). Prefix-cache hits count as computed (a request asking
+   is still compiling, and by requests of a LoRA adapter while `max_loras` others run: those
+   are skipped). Prefix-cache hits count as computed (a request asking
    for prompt logprobs gets none: it must compute every prompt position). Skipped in a step
    that preempted: blocks just ran out.
 3. The `SchedulerOutput` (`scheduler_output.py`): new requests whole, the others as diffs, and
@@ -73,6 +74,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         structured_output_manager: StructuredOutputManager | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.structured_output_manager = structured_output_manager
@@ -80,6 +82,8 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
+        # LoRA adapters the running requests may use at once (each worker's slots).
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             max_model_len=self.max_model_len,
@@ -211,11 +215,18 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         manager = self.kv_cache_manager
-        skipped: list[Request] = []  # grammars still compiling, put back in order below
+        skipped: list[Request] = []  # requests that must wait, put back in order below
+        loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_FSM or request.num_output_placeholders:
-                # A grammar still compiling, or preempted with a sampled token in flight.
+            lora_id = request.lora_int_id
+            if (
+                request.status == RequestStatus.WAITING_FOR_FSM
+                or request.num_output_placeholders
+                or (lora_id and lora_id not in loras and len(loras) >= self.max_loras)
+            ):
+                # A grammar still compiling, preempted with a sampled token in flight, or an
+                # adapter while the workers' LoRA slots are all taken by running requests.
                 skipped.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit_tokens = manager.get_computed_blocks(request)
@@ -234,6 +245,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             self._put(self.running, request, self.running.append)
+            if lora_id:
+                loras.add(lora_id)
             # The manager's returned blocks exclude the hits; a new or resumed request is sent
             # its whole table anyway.
             plan.add(request, num_new_tokens, new_blocks)

@@ -100,6 +100,7 @@ def _new_request_data(request: Request, kv_cache_manager: KVCacheManager) -> New
         sampling_params=request.sampling_params,
         block_ids=kv_cache_manager.get_block_ids(request.request_id),
         num_computed_tokens=request.num_computed_tokens,
+        lora_request=request.lora_request,
     )
 
 

@@ -39,6 +39,7 @@ from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.pooling_state import PooledOutput
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.logger import init_logger
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import RequestOutput
 from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreOutputs, EngineCoreRequest
@@ -130,6 +131,7 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         *,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
         output_kind: OutputKind = "cumulative",
     ) -> AsyncIterator[RequestOutput]:
@@ -146,7 +148,7 @@ class AsyncLLM:
         # request's last outputs, still on their way (vLLM suffixes its ids alike).
         engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         outputs = await self.add_request(
-            engine_id, text, token_ids, params, output_kind, priority, salt
+            engine_id, text, token_ids, params, output_kind, priority, salt, lora_request
         )
         self._generate_ids[request_id] = engine_id
         try:
@@ -185,22 +187,21 @@ class AsyncLLM:
         output_kind: OutputKind,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Sends the request's n engine requests; returns its outputs, to iterate until it
-        finishes (the iterator holds the request's queue, so outputs that arrive before the
-        iteration starts wait there). `priority`, `cache_salt`: see `Processor.process`.
+        finishes (outputs that arrive before the iteration starts wait in its queue). The
+        other arguments: see `Processor.process`.
 
         Raises:
             ValueError: the request cannot be served (prompt too long, bad sampling values);
                 nothing of it stays in the engine.
             EngineDeadError: the engine is dead.
         """
+        fields = {"priority": priority, "cache_salt": cache_salt, "lora_request": lora_request}
+        process = partial(self.processor.process, request_id, prompt, prompt_token_ids, params)
         outputs = await self._send(
-            request_id,
-            lambda: self.processor.process(
-                request_id, prompt, prompt_token_ids, params, output_kind, priority, cache_salt
-            ),
-            params.max_tokens,
+            request_id, lambda: process(output_kind, **fields), params.max_tokens
         )
         self.metrics.observe_new_request(params.n)
         return outputs

@@ -235,8 +235,7 @@ class MPClient(EngineCoreClient):
         handler = self.handler
         with handler.lock:
             handler.raise_if_dead()
-            info = self.info
-            validate_request(request, info.max_model_len, info.vocab_size, handler.live_request_ids)
+            validate_request(request, self.info, handler.live_request_ids)
             handler.live_request_ids.add(request.request_id)
         try:
             return encode(EngineCoreRequestType.ADD, request)

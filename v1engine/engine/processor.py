@@ -28,6 +28,8 @@ from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.pooling_state import PoolingState
+from v1engine.lora.adapter import CheckedAdapters
+from v1engine.lora.request import LoRARequest
 from v1engine.model.hf_config import classifier_activation, pooling_task
 from v1engine.pooling_params import PoolingParams
 from v1engine.request import EngineCoreRequest, validate_request
@@ -81,6 +83,10 @@ class Processor:
         self.classifier_activation = (
             classifier_activation(hf_config) if self.pooling_task == "classify" else None
         )
+        lora_config = config.lora_config
+        self.loras = None
+        if lora_config is not None:
+            self.loras = CheckedAdapters(hf_config, lora_config.max_lora_rank)
         # Built on the first structured request (it reads the whole vocabulary once).
         self._grammar_backend: GrammarBackend | None = None
         # The API server checks grammars from threads: one backend, built once.
@@ -144,19 +150,21 @@ class Processor:
         output_kind: OutputKind,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Registers the request (its n children when n > 1) with the output processor and
         returns the core requests to send, in order. `priority` (lower is served first) needs
         the "priority" scheduling policy; a `cache_salt` keeps its prefix-cache blocks to
-        requests of the same salt.
+        requests of the same salt; `lora_request` names the LoRA adapter it runs with (read
+        and checked here the first time).
 
         The prompt is first cut to its last `params.truncate_prompt_tokens` tokens, and bad
         words are tokenized into `params._bad_words_token_ids` (on a copy) for the workers.
 
         Raises:
             ValueError: the request cannot be served (a bad prompt, sampling value, priority
-                or salt; stop strings or bad words without a tokenizer; an id in use), named by
-                `request_id`; nothing is registered.
+                or salt; stop strings or bad words without a tokenizer; an id in use; an
+                adapter the engine cannot serve), named by `request_id`; nothing is registered.
         """
         self._require_runner("generate", "generation")
         check_priority(priority, self.scheduling_policy)
@@ -173,10 +181,12 @@ class Processor:
             token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
         eos = self.eos_token_id
-        fields = {"priority": priority, "cache_salt": cache_salt}
+        if lora_request is not None and self.loras is not None:
+            self.loras.check(lora_request)
+        fields = {"priority": priority, "cache_salt": cache_salt, "lora_request": lora_request}
         parent = EngineCoreRequest(request_id, prompt_token_ids, params, eos, **fields)
         in_use = self.output_processor.parent_states
-        validate_request(parent, self.info.max_model_len, self.info.vocab_size, in_use)
+        validate_request(parent, self.info, in_use)
         requests = []
         for child_id, index, child_params in make_child_requests(request_id, params):
             self.output_processor.add_request(
@@ -221,7 +231,7 @@ class Processor:
                 "set truncate_prompt_tokens or raise max_model_len"
             )
         in_use = self.output_processor.request_states  # a pooling engine's requests: no n > 1
-        validate_request(request, info.max_model_len, info.vocab_size, in_use)
+        validate_request(request, info, in_use)
         self.output_processor.add_pooling_request(
             PoolingState(request_id, prompt_token_ids, params, self.classifier_activation)
         )

@@ -25,6 +25,7 @@ from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -86,13 +87,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in order (with
         `prompt_logprobs` filled for params that set `SamplingParams.prompt_logprobs`). A dict
         prompt may carry vLLM's `cache_salt` (prefix-cache blocks shared only within a salt).
-        `priority`, one per prompt (vLLM's; lower is served first), needs
-        `scheduling_policy="priority"`.
+        `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the
+        base model; the engine needs `enable_lora=True`). `priority`, one per prompt (vLLM's;
+        lower is served first), needs `scheduling_policy="priority"`.
 
         Raises:
             ValueError: a bad prompt, sampling value or priority; no request of this call is
@@ -103,6 +106,7 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
         priorities = _per_prompt(priority or 0, int, len(prompts), "priorities")
+        loras = _per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora requests")
 
         def process(
             request_id: str, index: int, text: str | None, token_ids: list[int]
@@ -110,7 +114,7 @@ class LLM:
             prompt, priority = prompts[index], priorities[index]
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             return self.processor.process(
-                request_id, text, token_ids, params[index], "final", priority, salt
+                request_id, text, token_ids, params[index], "final", priority, salt, loras[index]
             )
 
         return self._run(prompts, process, use_tqdm, "Generating")
@@ -120,6 +124,7 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
@@ -146,7 +151,7 @@ class LLM:
                 chat_template=chat_template,
             )
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -372,7 +377,7 @@ def _pooled(output: PoolingRequestOutput | RequestOutput) -> PoolingRequestOutpu
     raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without a result")
 
 
-def _per_prompt(values: Any, single: type, num_prompts: int, what: str) -> list[Any]:
+def _per_prompt(values: Any, single: type | tuple, num_prompts: int, what: str) -> list[Any]:
     """One value per prompt: `values` repeated when it is one `single`, else the list, which
     must hold one per prompt."""
     if isinstance(values, single):

@@ -30,6 +30,7 @@ import torch
 from v1engine.config import EngineConfig
 from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
+from v1engine.lora.manager import LoRAModelManager
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers
 from v1engine.model.layers.attention_backend import (
@@ -44,7 +45,7 @@ from v1engine.model.layers.sampling_metadata import SamplingMetadata
 from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from v1engine.utils import GiB_bytes, cdiv
+from v1engine.utils import GiB_bytes
 from v1engine.worker.cuda_graphs import DecodeCudaGraphs
 from v1engine.worker.kv_cache import (
     allocate_kv_caches,
@@ -59,6 +60,7 @@ from v1engine.worker.model_inputs import (
     build_sampling_metadata,
     dummy_sampling_metadata,
     grammar_bitmask_rows,
+    profile_query_lens,
     to_logprobs_lists,
 )
 from v1engine.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -69,9 +71,6 @@ logger = init_logger(__name__)
 
 # Requests in the warm-up batch: one prefill-sized chunk and a few decodes.
 _WARM_UP_NUM_DECODES = 4
-# A profiling step cut to a token limit keeps requests at least this long: 128 one-token
-# requests made the CPU profile twice as slow (an attention call each) and its sampler 18x.
-PROFILE_MIN_QUERY_LEN = 16
 
 
 class GPUModelRunner:
@@ -108,6 +107,7 @@ class GPUModelRunner:
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # Captured by capture_cuda_graphs (CUDA only); decode-only steps replay them.
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.lora: LoRAModelManager | None = None  # with LoRA enabled
 
     # -- start-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -126,6 +126,12 @@ class GPUModelRunner:
         ) + packed_weight_bytes(self.model)
         if self.greedy_screen is not None:
             self.weights_bytes += self.greedy_screen.nbytes
+        if self.config.lora_config is not None:
+            lora_config = self.config.lora_config
+            self.lora = LoRAModelManager(
+                self.model, self.hf_config, lora_config, self.dtype, self.device
+            )
+            self.weights_bytes += self.lora.nbytes
         info_once(
             logger,
             "Loaded %s (%s, %s attention) in %.2f s: %.3f GiB of weights per rank",
@@ -144,12 +150,6 @@ class GPUModelRunner:
             for name, layer in self.attn_layers.items()
         }
 
-    def _profile_query_lens(self) -> list[int]:
-        """`max_num_batched_tokens` spread evenly over up to `max_num_seqs` requests, none
-        longer than max_model_len."""
-        num_tokens = min(self.max_num_tokens, self.max_num_reqs * self.max_model_len)
-        return _spread(num_tokens, min(self.max_num_reqs, num_tokens))
-
     def profile_run(
         self,
         token_limit: int | None = None,
@@ -162,12 +162,9 @@ class GPUModelRunner:
         request costs the forward an attention call and the sampler a [vocab] row).
         `after_stage(scale)` is called after the forward, then after the sampler, with how many
         times more tokens, then rows, the largest step has (1.0 when it ran whole)."""
-        query_lens = self._profile_query_lens()
-        run_lens = query_lens
-        if token_limit is not None and sum(query_lens) > token_limit:
-            num_reqs = min(len(query_lens), max(1, token_limit // PROFILE_MIN_QUERY_LEN))
-            num_reqs = max(num_reqs, cdiv(token_limit, self.max_model_len))  # none too long
-            run_lens = _spread(token_limit, num_reqs)
+        query_lens, run_lens = profile_query_lens(
+            self.max_num_tokens, self.max_num_reqs, self.max_model_len, token_limit
+        )
         token_scale = sum(query_lens) / sum(run_lens)
         row_scale = len(query_lens) / len(run_lens)
         if after_stage is None:
@@ -253,14 +250,19 @@ class GPUModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
     def _forward(
-        self, inputs: ModelInputs, output_rows: torch.Tensor | None = None
+        self,
+        inputs: ModelInputs,
+        output_rows: torch.Tensor | None = None,
+        lora: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model over the step's tokens: the hidden states of `output_rows` of them (all
-        when None), [rows, hidden_size]."""
-        if self.cuda_graphs is not None and self.cuda_graphs.fits(inputs):
+        when None), [rows, hidden_size]; `lora`: the tokens' adapter slots (one-hot rows)."""
+        if self.cuda_graphs is not None and lora is None and self.cuda_graphs.fits(inputs):
             hidden = self.cuda_graphs.replay(inputs)  # decodes: every row samples
             return hidden if output_rows is None else hidden[output_rows]
-        with set_forward_context(inputs.query_start_loc, self.attn_backend, inputs.attn_metadata):
+        lora_mapping = LoRAModelManager.mapping(lora, output_rows)
+        metadata = inputs.attn_metadata
+        with set_forward_context(inputs.query_start_loc, self.attn_backend, metadata, lora_mapping):
             return self.model(inputs.input_ids, inputs.positions, output_rows)
 
     @torch.inference_mode()
@@ -282,8 +284,12 @@ class GPUModelRunner:
         inputs = build_model_inputs(
             batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
         )
+        lora = None
+        if self.lora is not None:
+            row_loras = [self.states.requests[r].lora_request for r in req_ids]
+            lora = self.lora.step_mapping(row_loras, query_lens)
         # Every rank, in this order: each LM-head call all-gathers the vocabulary shards.
-        hidden, prompt_logprobs = self._run_model(inputs, query_lens)
+        hidden, prompt_logprobs = self._run_model(inputs, query_lens, lora)
         if self.pooling:
             return self._pool(hidden, inputs, req_ids)
         sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
@@ -293,7 +299,7 @@ class GPUModelRunner:
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     def _run_model(
-        self, inputs: ModelInputs, query_lens: np.ndarray
+        self, inputs: ModelInputs, query_lens: np.ndarray, lora: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, LogprobsLists]]:
         """The forward: the hidden states of the rows that sample ([num_sampling, hidden_size]),
         and the prompt logprobs of the requests that asked for them. Only the sampling rows
@@ -304,8 +310,8 @@ class GPUModelRunner:
                 self.states.prompt_logprobs, self.states.input_batch, query_lens, self.device
             )
         if plan is None:
-            return self._forward(inputs, self._output_rows(inputs)), {}
-        hidden = self._forward(inputs)
+            return self._forward(inputs, self._output_rows(inputs), lora), {}
+        hidden = self._forward(inputs, None, lora)
         prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden, plan, self.is_driver
         )
@@ -383,9 +389,3 @@ class GPUModelRunner:
                 "first (run the start-up handshake)"
             )
         self.states.update(scheduler_output)
-
-
-def _spread(num_tokens: int, num_reqs: int) -> list[int]:
-    """`num_tokens` split as evenly as possible over `num_reqs` requests."""
-    base, extra = divmod(num_tokens, num_reqs)
-    return [base + (1 if i < extra else 0) for i in range(num_reqs)]

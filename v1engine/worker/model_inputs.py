@@ -159,6 +159,33 @@ def build_model_inputs(
     )
 
 
+# A profiling step cut to a token limit keeps requests at least this long: 128 one-token
+# requests made the CPU profile twice as slow (an attention call each) and its sampler 18x.
+PROFILE_MIN_QUERY_LEN = 16
+
+
+def profile_query_lens(
+    max_num_tokens: int, max_num_reqs: int, max_model_len: int, token_limit: int | None
+) -> tuple[list[int], list[int]]:
+    """The query lengths of the largest step the scheduler may send (`max_num_tokens` spread
+    evenly over up to `max_num_reqs` requests, none longer than max_model_len), and of the step
+    a profile runs for it: the same, or under `token_limit` at most that many tokens in
+    requests of at least PROFILE_MIN_QUERY_LEN tokens."""
+    num_tokens = min(max_num_tokens, max_num_reqs * max_model_len)
+    query_lens = _spread(num_tokens, min(max_num_reqs, num_tokens))
+    if token_limit is None or sum(query_lens) <= token_limit:
+        return query_lens, query_lens
+    num_reqs = min(len(query_lens), max(1, token_limit // PROFILE_MIN_QUERY_LEN))
+    num_reqs = max(num_reqs, cdiv(token_limit, max_model_len))  # none too long
+    return query_lens, _spread(token_limit, num_reqs)
+
+
+def _spread(num_tokens: int, num_reqs: int) -> list[int]:
+    """`num_tokens` split as evenly as possible over `num_reqs` requests."""
+    base, extra = divmod(num_tokens, num_reqs)
+    return [base + (1 if i < extra else 0) for i in range(num_reqs)]
+
+
 def build_dummy_model_inputs(
     query_lens: list[int],
     attn_backend: AttentionBackend,

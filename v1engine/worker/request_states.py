@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.utils import cdiv
@@ -73,6 +74,7 @@ class CachedRequestState:
     block_ids: list[list[int]]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -305,6 +307,7 @@ class RequestStates:
             generator=generator,
             block_ids=[list(ids) for ids in new_req.block_ids],
             num_computed_tokens=new_req.num_computed_tokens,
+            lora_request=new_req.lora_request,
         )
 
     def _apply_cached_diffs(self, cached: CachedRequestData) -> None:

@@ -119,7 +119,7 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
-    cards = [_model_card(state, name) for name in state.completion.served_model_names]
+    cards = [_model_card(state, name) for name in state.completion.models.names]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -127,7 +127,7 @@ async def show_models(raw_request: Request) -> JSONResponse:
 @router.get("/v1/models/{model_id:path}")
 async def show_model(model_id: str, raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
-    state.completion.check_model(model_id)
+    state.completion.models.check(model_id)
     return JSONResponse(_model_card(state, model_id).model_dump())
 
 
@@ -331,7 +331,7 @@ async def serve(
         stats = asyncio.create_task(LoggingStatLogger(state.metrics).run(stats_interval_s))
     try:
         kv = describe_kv_capacity(engine.client.info)
-        names = state.completion.served_model_names
+        names = state.completion.models.names
         scheme = "https" if args.ssl_keyfile else "http"
         # Listen before saying so: uvicorn only listens once it has set up (TLS takes a
         # while), and a client acting on the line meanwhile would be refused. Connections now

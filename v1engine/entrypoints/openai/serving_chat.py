@@ -133,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = make_usage(final, sum(len(o.token_ids) for o in final.outputs))
         response = ChatCompletionResponse(
             id=run.request_id,
-            model=self.model_name,
+            model=self.models.response_model(request),
             choices=choices,
             usage=usage,
         )
@@ -174,6 +174,7 @@ class OpenAIServingChat(OpenAIServing):
         # output, so that they can carry its usage (the prompt's, as the engine counted it).
         # With a reasoning parser, each delta's thinking goes in `reasoning` as it comes.
         request, request_id, mode, opened = run.request, run.request_id, run.mode, run.opened
+        model = self.models.response_model(request)
         tally = StreamTally()
         tool_streams: dict[int, ToolCallStream] = {}
         streams: dict[int, ReasoningStream] = {}
@@ -203,12 +204,10 @@ class OpenAIServingChat(OpenAIServing):
                 if pending_ids.get(choice.index):
                     choice.token_ids = pending_ids.pop(choice.index)
                 usage = choice_usage(tally, choice.index, request.continuous_usage)
-                yield ChatCompletionChunk(
-                    id=request_id, model=self.model_name, choices=[choice], usage=usage
-                )
+                yield ChatCompletionChunk(id=request_id, model=model, choices=[choice], usage=usage)
         if request.include_usage and tally.last is not None:
             usage = make_usage(tally.last, tally.num_completion_tokens)
-            yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
+            yield ChatCompletionChunk(id=request_id, model=model, choices=[], usage=usage)
 
     def _role_chunks(self, run: ChatRun, tally: StreamTally) -> list[ChatCompletionChunk]:
         """Each choice's role-only chunk; the first carries the prompt's token ids (with
@@ -221,7 +220,10 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             role = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
             chunk = ChatCompletionChunk(
-                id=run.request_id, model=self.model_name, choices=[role], usage=usage
+                id=run.request_id,
+                model=self.models.response_model(request),
+                choices=[role],
+                usage=usage,
             )
             if index == 0:
                 chunk.prompt_token_ids = prompt_ids

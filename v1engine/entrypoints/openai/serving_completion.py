@@ -116,12 +116,16 @@ class OpenAIServingCompletion(OpenAIServing):
             num_tokens = sum(len(o.token_ids) for o in final.outputs)
             usages.append(make_usage(final, 0 if request.scores_prompt_only else num_tokens))
         return CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=sum_usage(usages)
+            id=request_id,
+            model=self.models.response_model(request),
+            choices=choices,
+            usage=sum_usage(usages),
         )
 
     async def _stream_chunks(
         self, request_id: str, runs: list[EngineRun], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
+        model = self.models.response_model(request)
         tallies = [StreamTally() for _ in runs]
         steps = [stream_steps(outputs, tally) for (_, outputs), tally in zip(runs, tallies)]
         text_offsets: dict[int, int] = {}  # choice index -> characters sent so far
@@ -144,9 +148,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if usage is not None and request.scores_prompt_only:
                     usage = make_usage(tally.last, 0)  # the one token generated is dropped
                 # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
-                yield CompletionResponse(
-                    id=request_id, model=self.model_name, choices=[choice], usage=usage
-                )
+                yield CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
         if request.include_usage:
             usages = [
                 make_usage(t.last, 0 if request.scores_prompt_only else t.num_completion_tokens)
@@ -154,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if t.last is not None
             ]
             usage = sum_usage(usages)
-            yield CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+            yield CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
 
     def _echo(
         self,

@@ -18,7 +18,6 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +29,7 @@ from v1engine.engine.processor import check_priority, truncate_prompt
 from v1engine.entrypoints.openai.beam_search import beam_search_params
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.limits import RequestLimits
+from v1engine.entrypoints.openai.serving_models import ServedModels
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import (
     CONSTRAINT_FIELDS,
@@ -38,6 +38,7 @@ from v1engine.entrypoints.openai.structured import (
     request_constraint,
 )
 from v1engine.logger import init_logger
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import RequestOutput, final_output
 from v1engine.pooling_params import PoolingParams
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
@@ -61,6 +62,7 @@ class EngineInput:
     params: SamplingParams | BeamSearchParams | PoolingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 # One engine request of an HTTP request: its id and its outputs.
@@ -89,7 +91,7 @@ class OpenAIServing:
         self.options = options or ServingOptions()
         self.engine = engine
         self.tokenizer = tokenizer
-        self.served_model_names = served_model_names
+        self.models = ServedModels(served_model_names, self.options.lora_modules)
         self.max_model_len = max_model_len
         self.limits = limits
 
@@ -100,17 +102,7 @@ class OpenAIServing:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_names[0]
-
-    def check_model(self, model: str | None) -> None:
-        """Raises APIError 404 for a model this server does not serve (None: the default)."""
-        if model is not None and model not in self.served_model_names:
-            raise APIError(
-                f"the model `{model}` does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.served_model_names)}",
-                HTTPStatus.NOT_FOUND,
-                param="model",
-            )
+        return self.models.names[0]
 
     def check_model_and_runner(self, request: Any, runner_type: str) -> None:
         """Raises APIError: 404 for an unknown model, 400 unless the model runs as `runner_type`
@@ -120,7 +112,7 @@ class OpenAIServing:
             logger.warning(
                 "The following fields were present in the request but ignored: {%s}", names
             )
-        self.check_model(request.model)
+        self.models.check(request.model)
         runner = self.engine.config.model_config.runner_type
         if runner != runner_type:
             serves = _APIS_BY_RUNNER[runner]
@@ -214,9 +206,16 @@ class OpenAIServing:
                 field a beam search does not take.
         """
         params = self.make_sampling_params(request, len(prompt_token_ids), structured_outputs)
+        lora = self.models.check(request.model)
         if not request.use_beam_search:
             salt = request.cache_salt
-            return EngineInput(prompt, prompt_token_ids, params, request.priority, salt)
+            return EngineInput(prompt, prompt_token_ids, params, request.priority, salt, lora)
+        if lora is not None:
+            raise APIError(
+                f"use_beam_search does not run LoRA adapters (model {request.model!r}); "
+                "sample with the adapter, or search with the base model",
+                param="use_beam_search",
+            )
         search = beam_search_params(request, params, self.limits.max_logprobs)
         truncate_to = params.truncate_prompt_tokens
         prompt_token_ids = truncate_prompt(prompt_token_ids, truncate_to, self.max_model_len)
@@ -312,7 +311,14 @@ class OpenAIServing:
         if isinstance(x.params, PoolingParams):
             return self.engine.encode(engine_id, x.prompt_token_ids, x.params, x.priority)
         return self.engine.add_request(
-            engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.priority, x.cache_salt
+            engine_id,
+            x.prompt,
+            x.prompt_token_ids,
+            x.params,
+            output_kind,
+            x.priority,
+            x.cache_salt,
+            x.lora_request,
         )
 
     def abort_all(self, request_ids: list[str]) -> None:

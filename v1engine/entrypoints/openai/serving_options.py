@@ -5,12 +5,14 @@ whitespace, logprob token names, request logging and reasoning parsing (flags of
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from v1engine.entrypoints.openai.reasoning import REASONING_PARSERS
+from v1engine.entrypoints.openai.serving_models import parse_lora_modules
 from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from v1engine.logger import init_logger
+from v1engine.lora.request import LoRARequest
 
 logger = init_logger(__name__)
 
@@ -38,6 +40,8 @@ class ServingOptions:
     # The Responses API keeps this many finished responses (store: true) in memory, for
     # GET /v1/responses/{id} and previous_response_id; the least recently used go first.
     max_stored_responses: int = 1000
+    # LoRA adapters served by name (--lora-modules; the engine needs --enable-lora).
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
     def log_request(
         self, engine_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
@@ -76,12 +80,19 @@ class ServingOptions:
             help="finished /v1/responses kept in memory for retrieval and previous_response_id "
             "(0: none)",
         )
+        group.add_argument(
+            "--lora-modules",
+            nargs="+",
+            default=[],
+            help="LoRA adapters to serve, as name=path or a JSON object with name and path "
+            "(needs --enable-lora); a request's model picks one by name",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
         """Raises ValueError when the chat template file cannot be read, for
-        --enable-auto-tool-choice without --tool-call-parser, or a negative --max-log-len or
-        --max-stored-responses."""
+        --enable-auto-tool-choice without --tool-call-parser, a negative --max-log-len or
+        --max-stored-responses, or a malformed --lora-modules."""
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
@@ -112,6 +123,7 @@ class ServingOptions:
             args.max_log_len,
             args.reasoning_parser,
             args.max_stored_responses,
+            parse_lora_modules(args.lora_modules),
         )
 
 

@@ -165,7 +165,7 @@ class OpenAIServingResponses:
             echoed["text"] = request.text
         return ResponsesResponse(
             id="resp_" + run.request_id.removeprefix("chatcmpl-"),
-            model=self.chat.model_name,
+            model=self.chat.models.response_model(request),
             status="in_progress",
             **echoed,
         )

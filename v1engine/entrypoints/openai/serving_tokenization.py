@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeRequest) -> JSONResponse:
         """Raises APIError: 404 for an unknown model, 400 for a body that is neither form or a
         chat the template cannot render."""
-        self.check_model(request.model)
+        self.models.check(request.model)
         token_ids, token_strs = await asyncio.to_thread(self._tokenize_with_strs, request)
         response = TokenizeResponse(
             count=len(token_ids),
@@ -38,7 +38,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def create_detokenize(self, request: DetokenizeRequest) -> JSONResponse:
         """Raises APIError: 404 for an unknown model, 400 for ids outside the vocabulary."""
-        self.check_model(request.model)
+        self.models.check(request.model)
         text = await asyncio.to_thread(self._detokenize, request.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 

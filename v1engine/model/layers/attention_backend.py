@@ -166,6 +166,8 @@ class ForwardContext:
     attn_backend: AttentionBackend | None = None
     # Per KV cache group, the backend's metadata for this step; None: no KV cache (profiling).
     attn_metadata: list[Any] | None = None
+    # This step's token -> LoRA slot mapping (lora/layers.py); None: no token runs an adapter.
+    lora: Any = None
 
 
 _forward_context = ForwardContext()
@@ -180,12 +182,13 @@ def set_forward_context(
     query_start_loc: torch.Tensor | None,
     attn_backend: AttentionBackend | None = None,
     attn_metadata: list[Any] | None = None,
+    lora: Any = None,
 ) -> Iterator[ForwardContext]:
     if attn_metadata is not None and attn_backend is None:
         raise ValueError("attn_metadata needs the attn_backend that built it, got None")
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(query_start_loc, attn_backend, attn_metadata)
+    _forward_context = ForwardContext(query_start_loc, attn_backend, attn_metadata, lora)
     try:
         yield _forward_context
     finally:

@@ -10,6 +10,7 @@ partial products with one all-reduce. Weights keep nn.Linear's layout: [out_feat
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -26,6 +27,9 @@ from v1engine.model.parallel_state import (
 )
 from v1engine.model.weight_utils import WeightSource, copy_weight, narrow_weight, weight_shape
 from v1engine.utils import round_up
+
+if TYPE_CHECKING:
+    from v1engine.lora.layers import LoRASlots
 
 logger = init_logger(__name__)
 
@@ -44,6 +48,8 @@ class LinearBase(nn.Module):
     CPU in float32 the weight packed for our gemm (`pack_cpu_weights`)."""
 
     packed_weight: torch.Tensor | None = None
+    # A decoder projection's LoRA adapters, with LoRA enabled (v1engine/lora/layers.py).
+    lora: LoRASlots | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -81,6 +87,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            out = self.lora.add_delta(x, out)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -172,6 +180,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = tensor_model_parallel_all_reduce(linear(x, self.weight, packed=self.packed_weight))
+        if self.lora is not None:
+            out = self.lora.add_delta(x, out)
         return out if self.bias is None else out + self.bias
 
 

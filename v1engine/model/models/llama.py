@@ -31,7 +31,7 @@ from v1engine.model.models.llama_decode_stack import LlamaDecodeStack
 from v1engine.model.weight_utils import WeightSource, default_weight_loader
 
 # (merged parameter, checkpoint projection, shard id) for projections fused into one matmul.
-_STACKED_PARAMS = (
+STACKED_PARAMS = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
@@ -279,13 +279,13 @@ class LlamaForCausalLM(nn.Module):
         """The HF tensor names a complete checkpoint provides (fused params expanded)."""
         names = []
         for name, _ in self.named_parameters():
-            parts = [(part, merged) for merged, part, _ in _STACKED_PARAMS if f".{merged}." in name]
+            parts = [(part, merged) for merged, part, _ in STACKED_PARAMS if f".{merged}." in name]
             names += [name.replace(f".{merged}.", f".{part}.") for part, merged in parts] or [name]
         return names
 
 
 def _param_name(checkpoint_name: str) -> tuple[str, object]:
-    for merged, part, shard_id in _STACKED_PARAMS:
+    for merged, part, shard_id in STACKED_PARAMS:
         if f".{part}." in checkpoint_name:
             return checkpoint_name.replace(f".{part}.", f".{merged}."), shard_id
     return checkpoint_name, None

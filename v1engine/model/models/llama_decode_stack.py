@@ -102,9 +102,11 @@ class LlamaDecodeStack:
 
     def applies(self, hidden: torch.Tensor) -> bool:
         """Whether this step (hidden [tokens, hidden_size]) can run here."""
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         return (
             metadata is not None
+            and context.lora is None  # adapters' deltas run in the layers' torch code
             and hidden.shape[0] <= self._max_tokens
             and all(
                 isinstance(m, CpuAttentionMetadata) and m.num_rows == hidden.shape[0]
