@@ -19,7 +19,8 @@ from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine_args import EngineArgs
-from v1engine.entrypoints.openai.api_server import HTTPOptions, build_app, build_state
+from v1engine.entrypoints.openai.api_server import build_app, build_state
+from v1engine.entrypoints.openai.http_options import HTTPOptions
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.protocol import CompletionResponse
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion

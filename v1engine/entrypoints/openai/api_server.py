@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import signal
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
@@ -36,12 +35,16 @@ from v1engine.engine.async_llm import AsyncLLM
 from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.stat_logger import LoggingStatLogger
-from v1engine.entrypoints.openai.errors import APIError, HTTPMiddleware, install_error_handlers
+from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
+from v1engine.entrypoints.openai.http_options import (
+    APIKeyMiddleware,
+    HTTPOptions,
+    RequestIdHeaderMiddleware,
+)
 from v1engine.entrypoints.openai.limits import BodyLimitMiddleware, RequestLimits
 from v1engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
     ModelList,
 )
 from v1engine.entrypoints.openai.protocol_pooling import ClassificationRequest, EmbeddingRequest
@@ -52,6 +55,10 @@ from v1engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from v1engine.entrypoints.openai.serving_classification import OpenAIServingClassification
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from v1engine.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
@@ -112,14 +119,10 @@ async def metrics(raw_request: Request) -> Response:
     return Response(_state(raw_request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, root=state.model_path, max_model_len=state.completion.max_model_len)
-
-
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
-    cards = [_model_card(state, name) for name in state.completion.models.names]
+    cards = state.completion.models.cards(state.model_path, state.completion.max_model_len)
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
@@ -127,8 +130,22 @@ async def show_models(raw_request: Request) -> JSONResponse:
 @router.get("/v1/models/{model_id:path}")
 async def show_model(model_id: str, raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
-    state.completion.models.check(model_id)
-    return JSONResponse(_model_card(state, model_id).model_dump())
+    models = state.completion.models
+    models.check(model_id)
+    cards = models.cards(state.model_path, state.completion.max_model_len)
+    return JSONResponse(next(card for card in cards if card.id == model_id).model_dump())
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    state = _state(raw_request)
+    check = partial(state.completion.models.load, request, state.engine.processor.loras)
+    return Response(await asyncio.to_thread(check))  # reads the adapter's files
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    return Response(_state(raw_request).completion.models.unload(request))
 
 
 # vLLM's tokenizer endpoints sit outside /v1, so the API key does not guard them (as in vLLM).
@@ -191,73 +208,6 @@ async def create_classification(request: ClassificationRequest, raw_request: Req
 @router.post("/v2/rerank")
 async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
     return await _state(raw_request).score.create_rerank(request, raw_request)
-
-
-class APIKeyMiddleware(HTTPMiddleware):
-    """401 for a /v1 request without `Authorization: Bearer <api_key>`, before the body is
-    parsed."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        super().__init__(app)
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                message = "missing API key" if not given else "incorrect API key provided"
-                error = APIError(
-                    f"{message}; send it as the header 'Authorization: Bearer <key>'",
-                    HTTPStatus.UNAUTHORIZED,
-                )
-                await error.to_response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RequestIdHeaderMiddleware(HTTPMiddleware):
-    """vLLM's --enable-request-id-headers: every response carries an X-Request-Id header, the
-    request's own or else a new one."""
-
-    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
-        given = dict(scope["headers"]).get(b"x-request-id")
-        request_id = given or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                headers = [*message.get("headers", []), (b"x-request-id", request_id)]
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
-@dataclass
-class HTTPOptions:
-    """How the server answers over HTTP (flags of `python -m v1engine.serve`)."""
-
-    api_key: str | None = None
-    request_id_headers: bool = False
-    # CORS, as vLLM's defaults: any origin, method and header, no credentials.
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # vLLM's: no API docs (/docs, /redoc, /openapi.json).
-    disable_docs: bool = False
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> HTTPOptions:
-        return cls(
-            args.api_key,
-            args.enable_request_id_headers,
-            args.allowed_origins,
-            args.allowed_methods,
-            args.allowed_headers,
-            args.allow_credentials,
-            args.disable_fastapi_docs,
-        )
 
 
 def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:

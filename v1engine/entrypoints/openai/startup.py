@@ -38,6 +38,7 @@ def run_server(args: argparse.Namespace) -> int:
         ValueError / RuntimeError: bad arguments, a busy port, or an engine that cannot start.
     """
     from v1engine.entrypoints.openai.limits import RequestLimits  # loaded by the flag parser
+    from v1engine.entrypoints.openai.serving_models import check_lora_modules
     from v1engine.entrypoints.openai.serving_options import ServingOptions
     from v1engine.entrypoints.openai.tls import check_tls_args
 
@@ -54,6 +55,7 @@ def run_server(args: argparse.Namespace) -> int:
 
         engine_args.model = default_model_path()
     config = engine_args.create_engine_config()
+    check_lora_modules(options.lora_modules, config)
     if config.model_config.sampling_defaults:
         logger.info(describe(config.model_config))
     names = served_model_names(args.served_model_name, args.model, engine_args.model)
