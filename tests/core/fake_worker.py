@@ -19,6 +19,7 @@ import torch
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.scheduler import Scheduler
 from v1engine.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from v1engine.lora.request import LoRARequest
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.request import EngineCoreOutput, Request
 from v1engine.sampling_params import SamplingParams
@@ -48,11 +49,13 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     num_groups: int = 1,
     policy: str = "fcfs",
+    max_loras: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_model_len, max_num_batched_tokens, max_num_seqs, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         make_kv_cache_config(num_blocks, block_size, num_groups),
+        max_loras=max_loras,
     )
 
 
@@ -63,6 +66,7 @@ def make_request(
     eos_token_id: int | None = EOS_TOKEN_ID,
     priority: int = 0,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
     **sampling_kwargs,
 ) -> Request:
     sampling_kwargs.setdefault("max_tokens", 8)
@@ -75,6 +79,7 @@ def make_request(
         arrival_time=0.0,  # ties keep the order requests were added in
         priority=priority,
         cache_salt=cache_salt,
+        lora_request=lora_request,
     )
 
 

@@ -19,9 +19,11 @@ def _manager(num_blocks: int = 16, num_groups: int = 1, enable_caching: bool = T
     return KVCacheManager(config, max_model_len=64, enable_caching=enable_caching)
 
 
-def _prefill(manager: KVCacheManager, request_id: str, prompt: list[int], cache_salt=None):
+def _prefill(
+    manager: KVCacheManager, request_id: str, prompt: list[int], cache_salt=None, lora=None
+):
     """Admits a request the way the scheduler does and computes its whole prompt."""
-    request = make_request(request_id, prompt, cache_salt=cache_salt)
+    request = make_request(request_id, prompt, cache_salt=cache_salt, lora_request=lora)
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new_blocks = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     assert new_blocks is not None

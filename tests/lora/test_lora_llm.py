@@ -1,0 +1,101 @@
+"""LoRA through `LLM` on real processes and weights: each prompt's greedy tokens are those of
+transformers running the base model with that prompt's adapter merged into its weights (W +
+alpha / r * B A), with adapters and the base model mixed in one batch; with fewer slots than
+adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), and
+at tensor_parallel_size 2 (every projection's A and B sharded as its weight is). A bad adapter
+fails its own request and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.entrypoints.llm_utils import GREEDY, PROMPTS, hf_greedy, make_llm, token_ids
+from tests.lora.adapters import make_adapter, merged_hf_model
+from tests.model.checkpoints import make_checkpoint
+from v1engine.config import LoRAConfig
+from v1engine.core_protocol import EngineCoreInfo
+from v1engine.lora.request import LoRARequest
+from v1engine.request import EngineCoreRequest, validate_request
+from v1engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The base checkpoint, two adapters (one on every projection, one of rank 2 on q, v and
+    down only), each prompt's adapter and the reference tokens."""
+    tmp = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint(tmp, "llama")
+    config = AutoConfig.from_pretrained(base)
+    full = make_adapter(tmp / "full", config, seed=1)
+    partial = make_adapter(
+        tmp / "partial", config, seed=2, rank=2, targets=("q_proj", "v_proj", "down_proj")
+    )
+    loras = {"full": LoRARequest("full", 1, full), "partial": LoRARequest("partial", 2, partial)}
+    per_prompt = [loras["full"], None, loras["partial"], loras["full"], loras["partial"]]
+    models = {
+        None: AutoModelForCausalLM.from_pretrained(base).eval(),
+        "full": merged_hf_model(base, full),
+        "partial": merged_hf_model(base, partial),
+    }
+    max_tokens = GREEDY.max_tokens
+    expected = [
+        hf_greedy(models[None if lora is None else lora.lora_name], [prompt], max_tokens)[0]
+        for prompt, lora in zip(PROMPTS, per_prompt)
+    ]
+    base_tokens = hf_greedy(models[None], PROMPTS, max_tokens)
+    # Each adapter changes its prompts' tokens: the comparison would notice an ignored one.
+    for lora, got, plain in zip(per_prompt, expected, base_tokens):
+        assert (got != plain) == (lora is not None)
+    return base, per_prompt, expected, tmp
+
+
+def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
+    base, per_prompt, expected, _ = setup
+    # One slot for two adapters: they take turns, each reloaded after the other evicted it.
+    with make_llm(base, enable_lora=True, max_loras=1) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+        assert token_ids(outputs) == expected
+        # One adapter for every prompt, then none: the base model's tokens are untouched.
+        single = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=per_prompt[0])
+        assert token_ids(single) == expected[:1]
+        chat_free = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+        assert token_ids(chat_free) == expected[1:2]
+
+
+def test_tensor_parallel_ranks_shard_each_adapter_as_its_weights(setup):
+    base, per_prompt, expected, _ = setup
+    with make_llm(base, enable_lora=True, max_loras=2, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+        assert token_ids(outputs) == expected
+
+
+def test_a_bad_adapter_fails_its_request_only(setup):
+    base, per_prompt, expected, tmp = setup
+    config = AutoConfig.from_pretrained(base)
+    too_wide = make_adapter(tmp / "rank32", config, rank=32)
+    with make_llm(base, enable_lora=True) as llm:
+        with pytest.raises(ValueError, match="max_lora_rank is 16"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("wide", 3, too_wide))
+        with pytest.raises(ValueError, match="no adapter_config.json there"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("gone", 4, str(tmp / "x")))
+        with pytest.raises(ValueError, match="got 2 lora requests for 5 prompts"):
+            llm.generate(PROMPTS, GREEDY, lora_request=per_prompt[:2])
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+        assert token_ids(outputs) == expected
+        other = LoRARequest("other", 1, per_prompt[2].lora_path)  # id 1 is "full"'s
+        with pytest.raises(ValueError, match="lora_int_id 1 already names the adapter"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=other)
+
+
+def test_an_engine_without_lora_refuses_adapters_naming_the_flag():
+    request = EngineCoreRequest(
+        "r", [1, 2], SamplingParams(), lora_request=LoRARequest("a", 1, "/a")
+    )
+    with pytest.raises(
+        ValueError, match=r"serves no adapters; start it with enable_lora=True \(--enable-lora\)"
+    ):
+        validate_request(request, EngineCoreInfo(8, 16, 64, 100), set())
+    validate_request(request, EngineCoreInfo(8, 16, 64, 100, max_loras=1), set())
+    with pytest.raises(ValueError, match="max_cpu_loras must be >= max_loras"):
+        LoRAConfig(max_loras=2, max_cpu_loras=1)
