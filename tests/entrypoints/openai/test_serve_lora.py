@@ -1,0 +1,166 @@
+"""LoRA adapters on a real `python -m v1engine.serve` (tiny random llama with SmolLM2's
+tokenizer, TP=1, fp32) through the official `openai` client: `--lora-modules` serves each adapter
+under its name, whose greedy tokens are transformers' with the adapter merged into the weights
+(the base model's stay the base model's, also when the three run at once); /v1/models lists the
+adapters; with V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters are added and removed while the
+server runs; bad adapters and flags fail with messages that name the fix."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from transformers import AutoConfig
+
+from tests.entrypoints.llm_utils import hf_greedy
+from tests.entrypoints.openai.server_utils import ROOT, serve_module
+from tests.lora.adapters import make_adapter, merged_hf_model
+from tests.model.checkpoints import load_hf_model
+from tests.timeouts import scaled
+
+PROMPT = [1, 500, 600, 700]
+GREEDY = {
+    "max_tokens": 6,
+    "temperature": 0.0,
+    "extra_body": {"return_token_ids": True, "ignore_eos": True},
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapters")
+    config = AutoConfig.from_pretrained(tiny_model)
+    return {
+        "full": make_adapter(tmp / "full", config, seed=1),
+        "partial": make_adapter(
+            tmp / "partial", config, seed=2, rank=2, targets=("q_proj", "down_proj")
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, adapters):
+    """Each served name's greedy tokens for PROMPT."""
+    models = {"tiny": load_hf_model(tiny_model)}
+    models.update({name: merged_hf_model(tiny_model, path) for name, path in adapters.items()})
+    tokens = {name: hf_greedy(model, [PROMPT], 6)[0] for name, model in models.items()}
+    assert len({tuple(t) for t in tokens.values()}) == 3  # each adapter changes the tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, adapters, tmp_path_factory):
+    partial = f'{{"name": "partial", "path": "{adapters["partial"]}", "base_model_name": "tiny"}}'
+    yield from serve_module(
+        tiny_model,
+        tmp_path_factory,
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"full={adapters['full']}",
+        partial,
+        tp=1,
+        env={"V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+    )
+
+
+def _tokens(client: openai.OpenAI, model: str) -> tuple[str, list[int]]:
+    out = client.completions.create(model=model, prompt=PROMPT, **GREEDY)
+    return out.model, out.choices[0].token_ids
+
+
+def test_each_adapter_answers_under_its_name_as_its_merged_weights_would(client, expected):
+    for name in ("tiny", "full", "partial"):
+        assert _tokens(client, name) == (name, expected[name])
+    # All three at once, in the same steps: each keeps its own tokens.
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        names = ["full", "tiny", "partial"] * 2
+        results = list(pool.map(lambda name: _tokens(client, name), names))
+    assert results == [(name, expected[name]) for name in names]
+
+
+def test_a_chat_stream_names_its_adapter(client):
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = dict(model="partial", messages=messages, max_tokens=5, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert whole.model == "partial" and {c.model for c in chunks} == {"partial"}
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == whole.choices[0].message.content
+    )
+
+
+def test_models_lists_the_adapters_with_their_base(client, adapters):
+    cards = {card.id: card for card in client.models.list().data}
+    assert list(cards) == ["tiny", "full", "partial"]
+    for name, path in adapters.items():
+        assert (cards[name].root, cards[name].parent) == (path, "tiny")
+    assert client.models.retrieve("full").root == adapters["full"]
+
+
+def test_an_unknown_model_is_a_404_and_a_search_with_an_adapter_a_400(client):
+    with pytest.raises(openai.NotFoundError, match="`nope` does not exist.*'full', 'partial'"):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="use_beam_search does not run LoRA adapters"):
+        client.completions.create(
+            model="full", prompt=PROMPT, max_tokens=2, n=2, extra_body={"use_beam_search": True}
+        )
+
+
+def test_adapters_are_added_and_removed_at_runtime(server, client, adapters, expected):
+    load, unload = server.url + "/v1/load_lora_adapter", server.url + "/v1/unload_lora_adapter"
+    added = httpx.post(load, json={"lora_name": "late", "lora_path": adapters["full"]})
+    assert (added.status_code, added.text) == (
+        200,
+        "Success: LoRA adapter 'late' added successfully.",
+    )
+    assert _tokens(client, "late") == ("late", expected["full"])
+    again = httpx.post(load, json={"lora_name": "late", "lora_path": adapters["full"]})
+    assert (
+        again.status_code == 400 and "'late' is already served" in again.json()["error"]["message"]
+    )
+    bad = httpx.post(load, json={"lora_name": "bad", "lora_path": "/nowhere"})
+    assert (
+        bad.status_code == 400 and "no adapter_config.json there" in bad.json()["error"]["message"]
+    )
+    removed = httpx.post(unload, json={"lora_name": "late"})
+    assert (removed.status_code, removed.text) == (
+        200,
+        "Success: LoRA adapter 'late' removed successfully.",
+    )
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
+    assert httpx.post(unload, json={"lora_name": "late"}).status_code == 404
+    assert [c.id for c in client.models.list().data] == ["tiny", "full", "partial"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-modules", "a=/nowhere"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a=/nowhere"], "no adapter_config.json there"),
+        (["--enable-lora", "--lora-modules", "a"], "expected name=path"),
+    ],
+)
+def test_bad_lora_flags_stop_the_server_before_the_engine_starts(tiny_model, flags, message):
+    args = [
+        sys.executable,
+        "-m",
+        "v1engine.serve",
+        "--model",
+        tiny_model,
+        "--device",
+        "cpu",
+        *flags,
+    ]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
+    assert done.returncode != 0
+    assert message in done.stderr + done.stdout
