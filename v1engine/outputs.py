@@ -93,6 +93,21 @@ class ModelRunnerOutput:
     # hidden state (it samples nothing; see pooling_params.py).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
+    def logprobs_by_request(self) -> dict[str, LogprobsLists]:
+        """The step's logprobs as one single-row LogprobsLists per sampling request."""
+        lists = self.logprobs
+        if lists is None:
+            return {}
+        sampling = [r for r, tokens in zip(self.req_ids, self.sampled_token_ids) if tokens]
+        return {
+            req_id: LogprobsLists(
+                token_ids=[lists.token_ids[row]],
+                logprobs=[lists.logprobs[row]],
+                sampled_token_ranks=[lists.sampled_token_ranks[row]],
+            )
+            for row, req_id in enumerate(sampling)
+        }
+
 
 # -- what users get ------------------------------------------------------------------------------
 # The front end builds these from the core's `EngineCoreOutput`s (engine/output_processor.py);

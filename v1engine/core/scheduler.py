@@ -216,7 +216,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         manager = self.kv_cache_manager
         skipped: list[Request] = []  # requests that must wait, put back in order below
-        loras = {r.lora_int_id for r in self.running} - {0}
+        loras = {r.lora_int_id for r in self.running} - {0}  # adapters in the workers' slots
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             lora_id = request.lora_int_id
@@ -271,7 +271,7 @@ class Scheduler:
     ) -> EngineCoreOutputs:
         """Records one step's sampled tokens and stops. Returns what changed."""
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
-        logprobs = _logprobs_by_request(model_runner_output)
+        logprobs = model_runner_output.logprobs_by_request()
         prompt_logprobs = model_runner_output.prompt_logprobs
         pooled = model_runner_output.pooler_output
         outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
@@ -388,19 +388,3 @@ class Scheduler:
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
-
-
-def _logprobs_by_request(output: ModelRunnerOutput) -> dict[str, LogprobsLists]:
-    """Splits the step's logprobs into one single-row LogprobsLists per sampling request."""
-    lists = output.logprobs
-    if lists is None:
-        return {}
-    sampling_req_ids = [r for r, tokens in zip(output.req_ids, output.sampled_token_ids) if tokens]
-    return {
-        req_id: LogprobsLists(
-            token_ids=[lists.token_ids[row]],
-            logprobs=[lists.logprobs[row]],
-            sampled_token_ranks=[lists.sampled_token_ranks[row]],
-        )
-        for row, req_id in enumerate(sampling_req_ids)
-    }

@@ -166,14 +166,7 @@ class Processor:
                 or salt; stop strings or bad words without a tokenizer; an id in use; an
                 adapter the engine cannot serve), named by `request_id`; nothing is registered.
         """
-        self._require_runner("generate", "generation")
-        check_priority(priority, self.scheduling_policy)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer; ban token ids with logit_bias -100")
-        if params.structured_outputs is not None:
-            self.check_grammar(params.structured_outputs)
+        self._check_generation(params, priority, lora_request)
         prompt_token_ids = truncate_prompt(
             prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len
         )
@@ -181,8 +174,6 @@ class Processor:
             token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             params = dataclasses.replace(params, _bad_words_token_ids=token_ids)
         eos = self.eos_token_id
-        if lora_request is not None and self.loras is not None:
-            self.loras.check(lora_request)
         fields = {"priority": priority, "cache_salt": cache_salt, "lora_request": lora_request}
         parent = EngineCoreRequest(request_id, prompt_token_ids, params, eos, **fields)
         in_use = self.output_processor.parent_states
@@ -195,6 +186,21 @@ class Processor:
             child = EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, **fields)
             requests.append(child)
         return requests
+
+    def _check_generation(
+        self, params: SamplingParams, priority: int, lora_request: LoRARequest | None
+    ) -> None:
+        """What `process` refuses before looking at the prompt (ValueError)."""
+        self._require_runner("generate", "generation")
+        check_priority(priority, self.scheduling_policy)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; ban token ids with logit_bias -100")
+        if params.structured_outputs is not None:
+            self.check_grammar(params.structured_outputs)
+        if lora_request is not None and self.loras is not None:
+            self.loras.check(lora_request)  # without LoRA, validate_request refuses it
 
     def process_pooling(
         self,
