@@ -87,11 +87,14 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_conversion_matches_transformers(tmp_path):
-    """The real default model: dequantized once, then our paged run against transformers."""
+def test_smollm2_conversion_matches_transformers():
+    """The real default model: dequantized once, then our paged run against transformers. The
+    conversion is the shared cache's (made here, or by the first test that needed the default
+    model): a second one would only repeat the same 20 s of transformers' GGUF reading, and the
+    cache's own mechanics are tested above."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = prepare_checkpoint(_smollm2_path(), str(tmp_path))
+    path = prepare_checkpoint(_smollm2_path())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
     hf_config = load_hf_config(path)
     assert hf_config.architectures == ["LlamaForCausalLM"] and hf_config.tie_word_embeddings

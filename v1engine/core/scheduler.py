@@ -13,9 +13,9 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
 2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
    head of the queue is never overtaken, except by requests whose structured-output grammar
    is still compiling, and by requests of a LoRA adapter while `max_loras` others run: those
-   are skipped). Prefix-cache hits count as computed (a request asking
-   for prompt logprobs gets none: it must compute every prompt position). Skipped in a step
-   that preempted: blocks just ran out.
+   are skipped). Prefix-cache hits count as computed (a request asking for prompt logprobs
+   gets none: it must compute every prompt position). Skipped in a step that preempted:
+   blocks just ran out.
 3. The `SchedulerOutput` (`scheduler_output.py`): new requests whole, the others as diffs, and
    the grammar bitmask rows of the structured requests that sample this step. The scheduled
    requests' `num_computed_tokens` then advance at once, and each request that samples this
