@@ -36,6 +36,12 @@ class LoRAMapping:
     tokens: torch.Tensor
     rows: torch.Tensor | None
 
+    @classmethod
+    def of_step(cls, one_hot: torch.Tensor, output_rows: torch.Tensor | None) -> LoRAMapping:
+        """The mapping of a step whose tokens' one-hots are `one_hot`, of which the last layer
+        computes `output_rows` (None: all) past its attention."""
+        return cls(one_hot, None if output_rows is None else one_hot[output_rows])
+
     def for_input(self, x: torch.Tensor) -> torch.Tensor:
         return self.tokens if self.rows is None or x.shape[0] == self.tokens.shape[0] else self.rows
 

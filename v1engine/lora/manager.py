@@ -21,7 +21,7 @@ from torch import nn
 from v1engine.config import LoRAConfig
 from v1engine.logger import init_logger
 from v1engine.lora.adapter import LoRAAdapter, load_adapter
-from v1engine.lora.layers import LoRAMapping, LoRASlots
+from v1engine.lora.layers import LoRASlots
 from v1engine.lora.request import LoRARequest
 from v1engine.model.layers.linear import LinearBase
 from v1engine.model.models.llama import STACKED_PARAMS
@@ -97,13 +97,6 @@ class LoRAModelManager:
         tokens = np.flatnonzero(token_slots >= 0)
         one_hot[tokens, token_slots[tokens]] = 1.0
         return torch.from_numpy(one_hot).to(self.device, self.dtype)
-
-    @staticmethod
-    def mapping(one_hot: torch.Tensor | None, output_rows: torch.Tensor | None) -> Any:
-        """What the layers read from the forward context: None, or a LoRAMapping."""
-        if one_hot is None:
-            return None
-        return LoRAMapping(one_hot, None if output_rows is None else one_hot[output_rows])
 
     def _put_in_slot(self, lora: LoRARequest, keep: Any) -> None:
         # A free slot first, else one whose adapter this step does not run.

@@ -30,6 +30,7 @@ import torch
 from v1engine.config import EngineConfig
 from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
+from v1engine.lora.layers import LoRAMapping
 from v1engine.lora.manager import LoRAModelManager
 from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers
@@ -260,7 +261,7 @@ class GPUModelRunner:
         if self.cuda_graphs is not None and lora is None and self.cuda_graphs.fits(inputs):
             hidden = self.cuda_graphs.replay(inputs)  # decodes: every row samples
             return hidden if output_rows is None else hidden[output_rows]
-        lora_mapping = LoRAModelManager.mapping(lora, output_rows)
+        lora_mapping = None if lora is None else LoRAMapping.of_step(lora, output_rows)
         metadata = inputs.attn_metadata
         with set_forward_context(inputs.query_start_loc, self.attn_backend, metadata, lora_mapping):
             return self.model(inputs.input_ids, inputs.positions, output_rows)
