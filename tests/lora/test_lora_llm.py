@@ -2,8 +2,8 @@
 transformers running the base model with that prompt's adapter merged into its weights (W +
 alpha / r * B A), with adapters and the base model mixed in one batch; with fewer slots than
 adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), and
-at tensor_parallel_size 2 (every projection's A and B sharded as its weight is). A bad adapter
-fails its own request and nothing else."""
+at tensor_parallel_size 2 (every projection's A and B sharded as its weight is), and on Qwen3
+(a head size of its own, q/k norms). A bad adapter fails its own request and nothing else."""
 
 from __future__ import annotations
 
@@ -22,10 +22,13 @@ from v1engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """The base checkpoint, two adapters (one on every projection, one of rank 2 on q, v and
-    down only), each prompt's adapter and the reference tokens."""
-    tmp = tmp_path_factory.mktemp("lora")
-    base = make_checkpoint(tmp, "llama")
+    return _setup(tmp_path_factory.mktemp("lora"), "llama")
+
+
+def _setup(tmp, arch: str):
+    """The base checkpoint of preset `arch`, two adapters (one on every projection, one of rank
+    2 on q, v and down only), each prompt's adapter and the reference tokens."""
+    base = make_checkpoint(tmp, arch)
     config = AutoConfig.from_pretrained(base)
     full = make_adapter(tmp / "full", config, seed=1)
     partial = make_adapter(
@@ -66,6 +69,13 @@ def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
 def test_tensor_parallel_ranks_shard_each_adapter_as_its_weights(setup):
     base, per_prompt, expected, _ = setup
     with make_llm(base, enable_lora=True, max_loras=2, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+        assert token_ids(outputs) == expected
+
+
+def test_qwen3_with_its_own_head_size_and_qk_norms(tmp_path):
+    base, per_prompt, expected, _ = _setup(tmp_path, "qwen3")  # head_dim 32, hidden 64
+    with make_llm(base, enable_lora=True, max_loras=2) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
         assert token_ids(outputs) == expected
 
