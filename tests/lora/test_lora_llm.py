@@ -1,8 +1,9 @@
 """LoRA through `LLM` on real processes and weights: each prompt's greedy tokens are those of
 transformers running the base model with that prompt's adapter merged into its weights (W +
 alpha / r * B A), with adapters and the base model mixed in one batch; with fewer slots than
-adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), and
-at tensor_parallel_size 2 (every projection's A and B sharded as its weight is), and on Qwen3
+adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), at
+tensor_parallel_size 2 (every projection's A and B sharded as its weight is) with preemption and
+chunked prefills, and on Qwen3
 (a head size of its own, q/k norms). A bad adapter fails its own request and nothing else."""
 
 from __future__ import annotations
@@ -66,11 +67,17 @@ def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
         assert token_ids(chat_free) == expected[1:2]
 
 
-def test_tensor_parallel_ranks_shard_each_adapter_as_its_weights(setup):
+def test_tensor_parallel_ranks_shard_each_adapter_under_preemption_and_chunking(setup):
     base, per_prompt, expected, _ = setup
-    with make_llm(base, enable_lora=True, max_loras=2, tensor_parallel_size=2) as llm:
+    # As test_llm's preemption test: 14 usable blocks of 4 tokens cannot hold the five
+    # requests, and a 16-token budget chunks the 37-token prompt.
+    cramped = dict(
+        block_size=4, num_gpu_blocks_override=15, max_model_len=56, max_num_batched_tokens=16
+    )
+    with make_llm(base, enable_lora=True, max_loras=2, tensor_parallel_size=2, **cramped) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
         assert token_ids(outputs) == expected
+        assert llm.engine_core.scheduler.make_stats().num_preemptions > 0
 
 
 def test_qwen3_with_its_own_head_size_and_qk_norms(tmp_path):
