@@ -3,8 +3,8 @@ transformers running the base model with that prompt's adapter merged into its w
 alpha / r * B A), with adapters and the base model mixed in one batch; with fewer slots than
 adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), at
 tensor_parallel_size 2 (every projection's A and B sharded as its weight is) with preemption and
-chunked prefills, and on Qwen3
-(a head size of its own, q/k norms). A bad adapter fails its own request and nothing else."""
+chunked prefills, and on Qwen3 (a head size of its own, q/k norms). A bad adapter fails its own
+request and nothing else."""
 
 from __future__ import annotations
 
