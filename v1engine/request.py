@@ -335,6 +335,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prefix_cache_query_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    # With LoRA: adapter name -> its requests running, and waiting (vLLM's).
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 
 from v1engine.config import CacheConfig, SchedulerConfig
@@ -383,8 +383,15 @@ class Scheduler:
             num_prefix_cache_query_tokens=prefix_stats.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
+            running_lora_adapters=_lora_counts(self.running),
+            waiting_lora_adapters=_lora_counts(self.waiting),
         )
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
+
+
+def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
+    names = [r.lora_request.lora_name for r in requests if r.lora_request is not None]
+    return dict(Counter(names))

@@ -67,7 +67,7 @@ class AsyncLLM:
         self.client = client
         self.config = config
         self.metrics = metrics
-        metrics.set_cache_config_info(config.cache_config, client.info.num_blocks)
+        metrics.set_engine_info(config.cache_config, client.info)
         self.output_processor = OutputProcessor(tokenizer)
         self.processor = Processor(config, tokenizer, self.output_processor, client.info)
         self.dead_reason: str | None = None

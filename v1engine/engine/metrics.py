@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from v1engine.core_protocol import EngineCoreInfo
 from v1engine.request import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 # Finished requests are counted by vLLM's finished_reason: "stop" (EOS, stop token or string),
@@ -83,6 +84,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.requests: dict[str, RequestStats] = {}  # by engine (child) request id
         self._last_stats = SchedulerStats()
+        self.lora_info: Gauge | None = None  # set_max_loras
         self._add_gauges_and_counters()
         self._add_latency_histograms()
         self._add_count_histograms(build_1_2_5_buckets(max_model_len))
@@ -201,10 +203,11 @@ class ServerMetrics:
             _ITERATION_TOKENS_BUCKETS,
         )
 
-    def set_cache_config_info(self, cache_config: Any, num_gpu_blocks: int) -> None:
-        """vLLM's info gauge: the cache configuration as labels of a series set to 1."""
+    def set_engine_info(self, cache_config: Any, engine: EngineCoreInfo) -> None:
+        """vLLM's info gauges: vllm:cache_config_info, the cache configuration as labels of a
+        series set to 1; with LoRA, vllm:lora_requests_info (see update_scheduler_stats)."""
         info = {f.name: str(getattr(cache_config, f.name)) for f in fields(cache_config)}
-        info.update(model_name=self.model_name, num_gpu_blocks=str(num_gpu_blocks))
+        info.update(model_name=self.model_name, num_gpu_blocks=str(engine.num_blocks))
         gauge = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -212,12 +215,31 @@ class ServerMetrics:
             registry=self.registry,
         )
         gauge.labels(**info).set(1)
+        if engine.max_loras:
+            self._add_lora_info(engine.max_loras)
+
+    def _add_lora_info(self, max_loras: int) -> None:
+        """vllm:lora_requests_info: the adapters running and waiting (names, comma-separated)
+        as labels of a series set to the time they were last seen so."""
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self.max_loras = max_loras
 
     # -- recording ---------------------------------------------------------------------------
     def update_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self.lora_info.labels(
+                str(self.max_loras),
+                ",".join(stats.waiting_lora_adapters),
+                ",".join(stats.running_lora_adapters),
+            ).set_to_current_time()
         last, self._last_stats = self._last_stats, stats
         self.num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
         queries = stats.num_prefix_cache_query_tokens - last.num_prefix_cache_query_tokens

@@ -8,6 +8,7 @@ server runs; bad adapters and flags fail with messages that name the fix."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import subprocess
 import sys
 
@@ -76,7 +77,7 @@ def _tokens(client: openai.OpenAI, model: str) -> tuple[str, list[int]]:
     return out.model, out.choices[0].token_ids
 
 
-def test_each_adapter_answers_under_its_name_as_its_merged_weights_would(client, expected):
+def test_each_adapter_answers_under_its_name_as_its_merged_weights_would(server, client, expected):
     for name in ("tiny", "full", "partial"):
         assert _tokens(client, name) == (name, expected[name])
     # All three at once, in the same steps: each keeps its own tokens.
@@ -84,6 +85,12 @@ def test_each_adapter_answers_under_its_name_as_its_merged_weights_would(client,
         names = ["full", "tiny", "partial"] * 2
         results = list(pool.map(lambda name: _tokens(client, name), names))
     assert results == [(name, expected[name]) for name in names]
+    # vLLM's vllm:lora_requests_info saw each adapter running.
+    metrics = httpx.get(server.url + "/metrics").text
+    running = re.findall(
+        r'vllm:lora_requests_info\{max_lora="2",[^}]*running_lora_adapters="([^"]*)"', metrics
+    )
+    assert {"full", "partial"} <= {name for names in running for name in names.split(",")}
 
 
 def test_a_chat_stream_names_its_adapter(client):
