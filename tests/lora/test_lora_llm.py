@@ -1,19 +1,25 @@
-"""LoRA through `LLM` on real processes and weights: each prompt's greedy tokens are those of
-transformers running the base model with that prompt's adapter merged into its weights (W +
-alpha / r * B A), with adapters and the base model mixed in one batch; with fewer slots than
-adapters (the scheduler takes turns, the workers swap slots and reload evicted adapters), at
-tensor_parallel_size 2 (every projection's A and B sharded as its weight is) with preemption and
-chunked prefills, and on Qwen3 (a head size of its own, q/k norms). A bad adapter fails its own
-request and nothing else."""
+"""LoRA through `LLM` (and `AsyncLLM.generate`) on real processes and weights: each prompt's
+greedy tokens are those of transformers running the base model with that prompt's adapter merged
+into its weights (W + alpha / r * B A), with adapters and the base model mixed in one batch; with
+fewer slots than adapters (the scheduler takes turns, the workers swap slots and reload evicted
+adapters), at tensor_parallel_size 2 (every projection's A and B sharded as its weight is) with
+preemption and chunked prefills, and on Qwen3 (a head size of its own, q/k norms). A bad adapter
+fails its own request and nothing else."""
 
 from __future__ import annotations
+
+import asyncio
+import dataclasses
 
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.entrypoints.llm_utils import GREEDY, PROMPTS, hf_greedy, make_llm, token_ids
+from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
 from tests.lora.adapters import make_adapter, merged_hf_model
 from tests.model.checkpoints import make_checkpoint
+from tests.timeouts import scaled
+from v1engine import AsyncLLM, EngineArgs
 from v1engine.config import LoRAConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.lora.request import LoRARequest
@@ -116,3 +122,22 @@ def test_an_engine_without_lora_refuses_adapters_naming_the_flag():
     validate_request(request, EngineCoreInfo(8, 16, 64, 100, max_loras=1), set())
     with pytest.raises(ValueError, match="max_cpu_loras must be >= max_loras"):
         LoRAConfig(max_loras=2, max_cpu_loras=1)
+
+
+def test_async_llm_generate_runs_a_lora_request(tmp_path):
+    base = make_tiny_checkpoint(str(tmp_path / "model"))  # with a tokenizer, as AsyncLLM needs
+    adapter = make_adapter(tmp_path / "adapter", AutoConfig.from_pretrained(base))
+    expected = hf_greedy(merged_hf_model(base, adapter), PROMPTS[:1], GREEDY.max_tokens)[0]
+    lora = LoRARequest("a", 1, adapter)
+    args = EngineArgs(
+        base, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22
+    )
+
+    async def generate() -> list[int]:
+        lora_args = dataclasses.replace(args, enable_lora=True)
+        async with AsyncLLM.from_engine_args(lora_args) as engine:
+            prompt = {"prompt_token_ids": PROMPTS[0]}
+            outputs = engine.generate(prompt, GREEDY, "r", lora_request=lora, output_kind="final")
+            return [output async for output in outputs][-1].outputs[0].token_ids
+
+    assert asyncio.run(asyncio.wait_for(generate(), scaled(180))) == expected
