@@ -263,22 +263,21 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: BeamSearchParams,
         output_kind: OutputKind,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Starts a beam search (one-token steps sent as requests f"{request_id}-beam{step}-{i}",
-        see engine/beam_search.py); returns its outputs, as `add_request` does: here one
-        RequestOutput once the search is done, its completions the best sequences first (whole,
-        whatever `output_kind`).
+        see engine/beam_search.py, with `lora_request`'s adapter); returns its outputs, as
+        `add_request` does: here one RequestOutput once the search is done, its completions the
+        best sequences first (whole, whatever `output_kind`).
 
         Raises:
             ValueError: the prompt cannot be served (its first step is sent before this returns).
             EngineDeadError: the engine is dead.
         """
         del output_kind  # one output, which is both the whole result and all that is new
-        info = self.client.info
-        search = BeamSearch(
-            prompt_token_ids, params, self.processor.eos_token_id, info.max_model_len
-        )
-        run = AsyncBeamSearch(self, request_id, search)
+        max_model_len = self.client.info.max_model_len
+        search = BeamSearch(prompt_token_ids, params, self.processor.eos_token_id, max_model_len)
+        run = AsyncBeamSearch(self, request_id, search, lora_request)
         try:
             first = await run.add_step()
         except ValueError as e:

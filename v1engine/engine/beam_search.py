@@ -175,10 +175,13 @@ class AsyncBeamSearch:
     and `abort`): each step's requests are named f"{request_id}-beam{step}-{i}"; what runs
     when the search ends early is aborted."""
 
-    def __init__(self, engine: Any, request_id: str, search: BeamSearch) -> None:
+    def __init__(
+        self, engine: Any, request_id: str, search: BeamSearch, lora_request: Any = None
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.search = search
+        self.lora_request = lora_request  # every step runs with the search's adapter
         self.one_step = step_params(search.params)
 
     async def add_step(self) -> Steps:
@@ -189,7 +192,7 @@ class AsyncBeamSearch:
             for i, tokens in enumerate(self.search.prompts()):
                 step_id = f"{self.request_id}-beam{self.search.num_steps}-{i}"
                 outputs = await self.engine.add_request(
-                    step_id, None, tokens, self.one_step, "final"
+                    step_id, None, tokens, self.one_step, "final", lora_request=self.lora_request
                 )
                 steps.append((step_id, outputs))
         except BaseException:

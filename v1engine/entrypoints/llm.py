@@ -159,12 +159,14 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt (see `BeamSearchParams`), the searches' steps batched
         into one `generate` each; returns one BeamSearchOutput per prompt, in order, whose
         sequences (tokens and text: the prompt's and the output's, as vLLM's) come best first.
         `concurrency_limit` (vLLM's): at most this many prompts' searches run at once, which
-        bounds the batch and the KV cache the searches hold (None: all).
+        bounds the batch and the KV cache the searches hold (None: all). `lora_request`: the
+        LoRA adapter every search runs with.
 
         Raises:
             ValueError: a bad prompt (as `generate`), or a concurrency_limit below 1; no request
@@ -185,7 +187,10 @@ class LLM:
             for batch in batches:
                 while live := [search for search in batch if not search.done]:
                     beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
-                    outputs = iter(self.generate(beams, one_step, use_tqdm=False))
+                    steps = self.generate(
+                        beams, one_step, use_tqdm=False, lora_request=lora_request
+                    )
+                    outputs = iter(steps)
                     for search in live:
                         search.advance([step_candidates(next(outputs)) for _ in search.beams])
                     bar.update(1)

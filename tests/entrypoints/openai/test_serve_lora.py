@@ -1,9 +1,10 @@
 """LoRA adapters on a real `python -m v1engine.serve` (tiny random llama with SmolLM2's
 tokenizer, TP=1, fp32) through the official `openai` client: `--lora-modules` serves each adapter
-under its name, whose greedy tokens are transformers' with the adapter merged into the weights
-(the base model's stay the base model's, also when the three run at once); /v1/models lists the
-adapters; with V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters are added and removed while the
-server runs; bad adapters and flags fail with messages that name the fix."""
+under its name, whose greedy tokens (and beam search) are transformers' with the adapter merged
+into the weights (the base model's stay the base model's, also when the three run at once);
+/v1/models lists the adapters and /metrics vLLM's vllm:lora_requests_info; with
+V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters are added and removed while the server runs; bad
+adapters and flags fail with messages that name the fix."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import openai
 import pytest
 from transformers import AutoConfig
 
-from tests.entrypoints.llm_utils import hf_greedy
+from tests.entrypoints.llm_utils import hf_beam_search, hf_greedy
 from tests.entrypoints.openai.server_utils import ROOT, serve_module
 from tests.lora.adapters import make_adapter, merged_hf_model
 from tests.model.checkpoints import load_hf_model
@@ -44,10 +45,16 @@ def adapters(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model, adapters):
-    """Each served name's greedy tokens for PROMPT."""
+def models(tiny_model, adapters):
+    """Each served name's transformers model (an adapter's merged into the base's weights)."""
     models = {"tiny": load_hf_model(tiny_model)}
     models.update({name: merged_hf_model(tiny_model, path) for name, path in adapters.items()})
+    return models
+
+
+@pytest.fixture(scope="module")
+def expected(models):
+    """Each served name's greedy tokens for PROMPT."""
     tokens = {name: hf_greedy(model, [PROMPT], 6)[0] for name, model in models.items()}
     assert len({tuple(t) for t in tokens.values()}) == 3  # each adapter changes the tokens
     return tokens
@@ -113,13 +120,19 @@ def test_models_lists_the_adapters_with_their_base(client, adapters):
     assert client.models.retrieve("full").root == adapters["full"]
 
 
-def test_an_unknown_model_is_a_404_and_a_search_with_an_adapter_a_400(client):
+def test_an_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError, match="`nope` does not exist.*'full', 'partial'"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="use_beam_search does not run LoRA adapters"):
-        client.completions.create(
-            model="full", prompt=PROMPT, max_tokens=2, n=2, extra_body={"use_beam_search": True}
-        )
+
+
+def test_a_beam_search_runs_with_its_adapter(client, models, tokenizer):
+    beam = {"use_beam_search": True, "ignore_eos": True}
+    out = client.completions.create(model="full", prompt=PROMPT, max_tokens=4, n=2, extra_body=beam)
+    searched = hf_beam_search(models["full"], PROMPT, width=2, max_tokens=4)
+    assert [c.text for c in out.choices] == [
+        tokenizer.decode(tokens, skip_special_tokens=True) for tokens, _ in searched
+    ]
+    assert out.model == "full"
 
 
 def test_adapters_are_added_and_removed_at_runtime(server, client, adapters, expected):

@@ -210,16 +210,10 @@ class OpenAIServing:
         if not request.use_beam_search:
             salt = request.cache_salt
             return EngineInput(prompt, prompt_token_ids, params, request.priority, salt, lora)
-        if lora is not None:
-            raise APIError(
-                f"use_beam_search does not run LoRA adapters (model {request.model!r}); "
-                "sample with the adapter, or search with the base model",
-                param="use_beam_search",
-            )
         search = beam_search_params(request, params, self.limits.max_logprobs)
         truncate_to = params.truncate_prompt_tokens
         prompt_token_ids = truncate_prompt(prompt_token_ids, truncate_to, self.max_model_len)
-        return EngineInput(prompt, prompt_token_ids, search)
+        return EngineInput(prompt, prompt_token_ids, search, lora_request=lora)
 
     def make_sampling_params(
         self,
@@ -306,7 +300,7 @@ class OpenAIServing:
             self.options.log_request(engine_id, x.prompt, x.prompt_token_ids, x.params)
         if isinstance(x.params, BeamSearchParams):
             return self.engine.beam_search(
-                engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind
+                engine_id, x.prompt, x.prompt_token_ids, x.params, output_kind, x.lora_request
             )
         if isinstance(x.params, PoolingParams):
             return self.engine.encode(engine_id, x.prompt_token_ids, x.params, x.priority)
