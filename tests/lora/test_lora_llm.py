@@ -14,12 +14,19 @@ import dataclasses
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.entrypoints.llm_utils import GREEDY, PROMPTS, hf_greedy, make_llm, token_ids
+from tests.entrypoints.llm_utils import (
+    GREEDY,
+    PROMPTS,
+    hf_beam_search,
+    hf_greedy,
+    make_llm,
+    token_ids,
+)
 from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
 from tests.lora.adapters import make_adapter, merged_hf_model
 from tests.model.checkpoints import make_checkpoint
 from tests.timeouts import scaled
-from v1engine import AsyncLLM, EngineArgs
+from v1engine import AsyncLLM, BeamSearchParams, EngineArgs
 from v1engine.config import LoRAConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.lora.request import LoRARequest
@@ -57,11 +64,11 @@ def _setup(tmp, arch: str):
     # Each adapter changes its prompts' tokens: the comparison would notice an ignored one.
     for lora, got, plain in zip(per_prompt, expected, base_tokens):
         assert (got != plain) == (lora is not None)
-    return base, per_prompt, expected, tmp
+    return base, per_prompt, expected, tmp, models
 
 
 def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
-    base, per_prompt, expected, _ = setup
+    base, per_prompt, expected, _, models = setup
     # One slot for two adapters: they take turns, each reloaded after the other evicted it.
     with make_llm(base, enable_lora=True, max_loras=1) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
@@ -71,10 +78,17 @@ def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
         assert token_ids(single) == expected[:1]
         chat_free = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
         assert token_ids(chat_free) == expected[1:2]
+        search = BeamSearchParams(beam_width=2, max_tokens=4)
+        (found,) = llm.beam_search(PROMPTS[:1], search, lora_request=per_prompt[0])
+        prompt = PROMPTS[0]
+        got = [(s.tokens[len(prompt) :], s.cum_logprob) for s in found.sequences]
+        want = hf_beam_search(models["full"], prompt, width=2, max_tokens=4)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-4)
 
 
 def test_tensor_parallel_ranks_shard_each_adapter_under_preemption_and_chunking(setup):
-    base, per_prompt, expected, _ = setup
+    base, per_prompt, expected, *_ = setup
     # As test_llm's preemption test: 14 usable blocks of 4 tokens cannot hold the five
     # requests, and a 16-token budget chunks the 37-token prompt.
     cramped = dict(
@@ -87,14 +101,14 @@ def test_tensor_parallel_ranks_shard_each_adapter_under_preemption_and_chunking(
 
 
 def test_qwen3_with_its_own_head_size_and_qk_norms(tmp_path):
-    base, per_prompt, expected, _ = _setup(tmp_path, "qwen3")  # head_dim 32, hidden 64
+    base, per_prompt, expected, *_ = _setup(tmp_path, "qwen3")  # head_dim 32, hidden 64
     with make_llm(base, enable_lora=True, max_loras=2) as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
         assert token_ids(outputs) == expected
 
 
 def test_a_bad_adapter_fails_its_request_only(setup):
-    base, per_prompt, expected, tmp = setup
+    base, per_prompt, expected, tmp, _ = setup
     config = AutoConfig.from_pretrained(base)
     too_wide = make_adapter(tmp / "rank32", config, rank=32)
     with make_llm(base, enable_lora=True) as llm:
