@@ -2,21 +2,24 @@
 
 A projection fusing `J` checkpoint projections (QKV: q, k, v; gate_up: gate, up) with `S` slots
 of rank up to `R` holds every slot's A stacked, `a` [S * J * R, in_features of this rank], and
-every slot's B side by side, `b` [out_features of this rank, S * J * R], each part's B only in
-its own output rows (zeros elsewhere). A step's tokens carry a one-hot row of their slot (all
-zeros: the base model), so the whole batch's deltas are two dense matmuls with the unused
-slots' columns zeroed between them, whatever mix of adapters the batch runs:
+every slot's B transposed and stacked alike, `b_t` [S * J * R, out_features of this rank], each
+part's B only in its own output columns (zeros elsewhere). A step whose tokens all run one
+adapter (the common case) multiplies by its slot's rows only; a mixed step gives each token a
+one-hot row of its slot (all zeros: the base model), so the whole batch's deltas are two dense
+matmuls with the other slots' columns zeroed between them, whatever the mix:
 
-    delta = ((x @ a^T).view(T, S, J * R) * one_hot[:, :, None]).view(T, -1) @ b^T
+    delta = (x @ a[slot]^T) @ b_t[slot]                                        one adapter
+    delta = ((x @ a^T).view(T, S, J * R) * one_hot[:, :, None]).view(T, -1) @ b_t     a mix
 
-Column-parallel layers shard B's rows as they shard the weight's (each part through the layer's
-own weight loader); row-parallel ones shard A's columns, so `x @ a^T` is a partial sum,
-all-reduced before B (which every rank holds whole) and the delta added after the layer's
-all-reduce.
+Column-parallel layers shard B's output features as they shard the weight's (each part through
+the layer's own weight loader); row-parallel ones shard A's input features, so `x @ a^T` is a
+partial sum, all-reduced before B (which every rank holds whole) and the delta added after the
+layer's all-reduce.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,20 +32,23 @@ from v1engine.model.parallel_state import tensor_model_parallel_all_reduce
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    """One step's token -> slot one-hots: `tokens` [num_tokens, S] for the layers that see
-    every token, `rows` for those that see only the output rows (the last layer's, past its
-    attention), None when every row is an output row."""
+    """One step's token -> slot mapping: `slot` when every token runs the adapter in that slot,
+    else one-hot rows, `tokens` [num_tokens, S] for the layers that see every token and `rows`
+    for those that see only the output rows (the last layer's, past its attention; None: every
+    row is an output row)."""
 
-    tokens: torch.Tensor
-    rows: torch.Tensor | None
+    slot: int | None
+    tokens: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
-    @classmethod
-    def of_step(cls, one_hot: torch.Tensor, output_rows: torch.Tensor | None) -> LoRAMapping:
-        """The mapping of a step whose tokens' one-hots are `one_hot`, of which the last layer
-        computes `output_rows` (None: all) past its attention."""
-        return cls(one_hot, None if output_rows is None else one_hot[output_rows])
+    def with_output_rows(self, output_rows: torch.Tensor | None) -> LoRAMapping:
+        """This step's mapping when its last layer computes `output_rows` (None: all)."""
+        if self.tokens is None or output_rows is None:
+            return self
+        return dataclasses.replace(self, rows=self.tokens[output_rows])
 
-    def for_input(self, x: torch.Tensor) -> torch.Tensor:
+    def one_hot(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.tokens is not None
         return self.tokens if self.rows is None or x.shape[0] == self.tokens.shape[0] else self.rows
 
 
@@ -61,33 +67,37 @@ class LoRASlots:
         self.layer = layer
         self.parts = parts
         self.max_rank = max_rank
+        self.slot_width = len(parts) * max_rank  # rows of `a` and `b_t` per slot
         self.row_parallel = isinstance(layer, RowParallelLinear)
         out_features, in_features = layer.weight.shape
-        width = num_slots * len(parts) * max_rank
+        width = num_slots * self.slot_width
         self.a = torch.zeros(width, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(out_features, width, dtype=dtype, device=device)
+        self.b_t = torch.zeros(width, out_features, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes
+        return self.a.nbytes + self.b_t.nbytes
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Puts an adapter's (A, scaled B) of each part it has (full, unsharded) in `slot`; its
         parts without weights, and its unused rank, stay zero."""
-        width = len(self.parts) * self.max_rank
-        self.a[slot * width : (slot + 1) * width] = 0
-        self.b[:, slot * width : (slot + 1) * width] = 0
+        rows = self._rows(slot)
+        self.a[rows] = 0
+        self.b_t[rows] = 0
         for j, (projection, shard_id) in enumerate(self.parts):
             if projection not in weights:
                 continue
             a, b = weights[projection]
-            rank, start = a.shape[0], (slot * len(self.parts) + j) * self.max_rank
+            rank, start = a.shape[0], rows.start + j * self.max_rank
             if self.row_parallel:  # this rank's input columns of A; B whole
                 a = self._shard(a, torch.empty(rank, self.a.shape[1]), shard_id)
             else:  # this rank's output rows of B, at this part's offset
-                b = self._shard(b, torch.zeros(self.b.shape[0], rank), shard_id)
+                b = self._shard(b, torch.zeros(self.b_t.shape[1], rank), shard_id)
             self.a[start : start + rank] = a
-            self.b[:, start : start + rank] = b
+            self.b_t[start : start + rank] = b.t()
+
+    def _rows(self, slot: int) -> slice:
+        return slice(slot * self.slot_width, (slot + 1) * self.slot_width)
 
     def _shard(self, full: torch.Tensor, shard: torch.Tensor, shard_id: object) -> torch.Tensor:
         # The layer's own loader narrows a checkpoint tensor to this rank as it did the weight.
@@ -95,15 +105,20 @@ class LoRASlots:
         return shard
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the layer's output for x) plus each token's adapter delta; `out` unchanged
-        when the step runs no adapter."""
+        """`out` (the layer's output for x, a tensor of its own) plus each token's adapter
+        delta, in place; unchanged when the step runs no adapter."""
         mapping: LoRAMapping | None = get_forward_context().lora
         if mapping is None:
             return out
-        one_hot = mapping.for_input(x)
-        shrunk = F.linear(x, self.a)
+        a, b_t = self.a, self.b_t
+        if mapping.slot is not None:
+            rows = self._rows(mapping.slot)
+            a, b_t = a[rows], b_t[rows]
+        shrunk = F.linear(x, a)
         if self.row_parallel:
             shrunk = tensor_model_parallel_all_reduce(shrunk)
-        rows, slots = one_hot.shape
-        shrunk = (shrunk.view(rows, slots, -1) * one_hot[:, :, None]).view(rows, -1)
-        return out + F.linear(shrunk, self.b)
+        if mapping.slot is None:
+            one_hot = mapping.one_hot(x)
+            tokens, slots = one_hot.shape
+            shrunk = (shrunk.view(tokens, slots, -1) * one_hot[:, :, None]).view(tokens, -1)
+        return out.addmm_(shrunk, b_t)

@@ -21,7 +21,7 @@ from torch import nn
 from v1engine.config import LoRAConfig
 from v1engine.logger import init_logger
 from v1engine.lora.adapter import LoRAAdapter, load_adapter
-from v1engine.lora.layers import LoRASlots
+from v1engine.lora.layers import LoRAMapping, LoRASlots
 from v1engine.lora.request import LoRARequest
 from v1engine.model.layers.linear import LinearBase
 from v1engine.model.models.llama import STACKED_PARAMS
@@ -70,10 +70,10 @@ class LoRAModelManager:
 
     def step_mapping(
         self, row_loras: list[LoRARequest | None], query_lens: np.ndarray
-    ) -> torch.Tensor | None:
-        """The step's token -> slot one-hots [num_tokens, max_loras] (rows computing
-        `query_lens[row]` tokens with adapter `row_loras[row]`), with every adapter they name
-        put in a slot first; None when no row runs an adapter.
+    ) -> LoRAMapping | None:
+        """The step's token -> slot mapping (rows computing `query_lens[row]` tokens with
+        adapter `row_loras[row]`), with every adapter they name put in a slot first; None when
+        no row runs an adapter.
 
         Raises:
             RuntimeError: the rows name more adapters than there are slots (a scheduler bug).
@@ -92,11 +92,13 @@ class LoRAModelManager:
         row_slots = np.array(
             [-1 if lora is None else self.slot_ids.index(lora.lora_int_id) for lora in row_loras]
         )
+        if len(wanted) == 1 and row_slots.min() >= 0:  # every row runs the one adapter
+            return LoRAMapping(slot=int(row_slots[0]))
         token_slots = np.repeat(row_slots, query_lens)
         one_hot = np.zeros((len(token_slots), len(self.slot_ids)), dtype=np.float32)
         tokens = np.flatnonzero(token_slots >= 0)
         one_hot[tokens, token_slots[tokens]] = 1.0
-        return torch.from_numpy(one_hot).to(self.device, self.dtype)
+        return LoRAMapping(None, torch.from_numpy(one_hot).to(self.device, self.dtype))
 
     def _put_in_slot(self, lora: LoRARequest, keep: Any) -> None:
         # A free slot first, else one whose adapter this step does not run.

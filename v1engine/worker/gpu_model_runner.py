@@ -254,14 +254,14 @@ class GPUModelRunner:
         self,
         inputs: ModelInputs,
         output_rows: torch.Tensor | None = None,
-        lora: torch.Tensor | None = None,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """The model over the step's tokens: the hidden states of `output_rows` of them (all
-        when None), [rows, hidden_size]; `lora`: the tokens' adapter slots (one-hot rows)."""
+        when None), [rows, hidden_size]; `lora`: the tokens' adapters."""
         if self.cuda_graphs is not None and lora is None and self.cuda_graphs.fits(inputs):
             hidden = self.cuda_graphs.replay(inputs)  # decodes: every row samples
             return hidden if output_rows is None else hidden[output_rows]
-        lora_mapping = None if lora is None else LoRAMapping.of_step(lora, output_rows)
+        lora_mapping = None if lora is None else lora.with_output_rows(output_rows)
         metadata = inputs.attn_metadata
         with set_forward_context(inputs.query_start_loc, self.attn_backend, metadata, lora_mapping):
             return self.model(inputs.input_ids, inputs.positions, output_rows)
@@ -300,7 +300,7 @@ class GPUModelRunner:
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
 
     def _run_model(
-        self, inputs: ModelInputs, query_lens: np.ndarray, lora: torch.Tensor | None
+        self, inputs: ModelInputs, query_lens: np.ndarray, lora: LoRAMapping | None
     ) -> tuple[torch.Tensor, dict[str, LogprobsLists]]:
         """The forward: the hidden states of the rows that sample ([num_sampling, hidden_size]),
         and the prompt logprobs of the requests that asked for them. Only the sampling rows
