@@ -14,8 +14,12 @@
    x = attn Wo^T (+ b after, as a row-parallel layer adds it); residual += x; h = RMSNorm(residual);
    x = (SiLU(gate) * up) Wdown^T (+ b after). The first layer's residual is the embeddings; the
    stack ends with residual += x and the model's final RMSNorm. Tensor parallelism 1 only (no
-   all-reduce here); the KV cache has the model's dtype. Built with the other kernels into one
-   library (cpu_kernel_library.py); returns nonzero if a buffer could not be allocated. */
+   all-reduce here); the KV cache has the model's dtype. A step whose every token runs one LoRA
+   adapter (lora/layers.py) adds its delta after each matmul, as the layers do: y += (x A^T) B,
+   with A and B the adapter's slot in that matmul's `lora_a` and `lora_b` (B transposed); its
+   bits are not the layers' (another matmul kernel, another summation order), its tokens are.
+   Built with the other kernels into one library (cpu_kernel_library.py); returns nonzero if a
+   buffer could not be allocated. */
 
 #include <stdlib.h>
 
@@ -30,6 +34,11 @@ struct v1e_decoder_layer {
     void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_size] */
     long kv_cache_group;     /* which of the step's block tables and slots the layer reads */
     long block_size, window; /* window 0: full attention */
+    /* With LoRA (else NULL), per matmul: every slot's A [slots * width, in] and B transposed
+       [slots * width, out], `width` rows a slot (lora/layers.py's `a`, `b_t`, `slot_width`). */
+    const void *qkv_lora_a, *qkv_lora_b, *o_lora_a, *o_lora_b;
+    const void *gate_up_lora_a, *gate_up_lora_b, *down_lora_a, *down_lora_b;
+    long qkv_lora_width, o_lora_width, gate_up_lora_width, down_lora_width;
 };
 
 struct v1e_decoder_shape {
@@ -50,6 +59,7 @@ struct v1e_decode_step {
     const long *table_strides;
     const int32_t *const *seq_lens;
     const int32_t *const *query_start_locs;
+    long lora_slot; /* the LoRA slot every token runs, or -1: none */
 };
 
 /* The widths of q, k (and v) and the fused qkv rows, derived once per call from the shape. */
@@ -95,7 +105,33 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     /* The step's activations, [tokens, width] each. */                                        \
     struct buffers_##S {                                                                       \
         T *residual, *h, *x, *qkv, *q_normed, *k_normed, *q, *k, *attn, *gate_up, *act;        \
+        T *lora_x;       /* [tokens, the widest slot]: x A^T */                                \
+        float *lora_acc; /* [the widest output]: one row's y + (x A^T) B */                    \
+        long lora_slot;                                                                        \
     };                                                                                         \
+                                                                                               \
+    /* y [M, N] += (x [M, K] A^T) B, A and B^T the `width` rows of the step's slot in a and    \
+       b; nothing without LoRA. Nonzero if the matmul could not allocate. */                   \
+    static int add_lora_##S(const struct v1e_decoder_shape *sh, struct buffers_##S *buf,       \
+                            const T *x, const void *a, const void *b, long width, T *y, long M, \
+                            long N, long K)                                                    \
+    {                                                                                          \
+        if (buf->lora_slot < 0 || !a) return 0;                                                \
+        const T *slot_a = (const T *)a + buf->lora_slot * width * K;                           \
+        const T *slot_b = (const T *)b + buf->lora_slot * width * N;                           \
+        if (matmul_##S(sh, x, slot_a, NULL, NULL, buf->lora_x, M, width, K)) return 1;         \
+        float *acc = buf->lora_acc;                                                            \
+        for (long m = 0; m < M; m++) {                                                         \
+            for (long n = 0; n < N; n++) acc[n] = LOAD(y[m * N + n]);                          \
+            for (long r = 0; r < width; r++) {                                                 \
+                const float t = LOAD(buf->lora_x[m * width + r]);                              \
+                const T *row = slot_b + r * N;                                                 \
+                for (long n = 0; n < N; n++) acc[n] += t * LOAD(row[n]);                       \
+            }                                                                                  \
+            for (long n = 0; n < N; n++) y[m * N + n] = STORE(acc[n]);                         \
+        }                                                                                      \
+        return 0;                                                                              \
+    }                                                                                          \
                                                                                                \
     static void add_bias_##S(T *y, const T *b, long M, long N)                                 \
     {                                                                                          \
@@ -131,7 +167,9 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     {                                                                                          \
         const long M = st->tokens, g = L->kv_cache_group;                                      \
         if (matmul_##S(sh, b->h, L->qkv_weight, L->qkv_packed, L->qkv_bias, b->qkv, M, w->qkv, \
-                       sh->hidden))                                                            \
+                       sh->hidden) ||                                                          \
+            add_lora_##S(sh, b, b->h, L->qkv_lora_a, L->qkv_lora_b, L->qkv_lora_width, b->qkv, \
+                         M, w->qkv, sh->hidden))                                               \
             return 1;                                                                          \
         rotated_qk_##S(L, sh, w, st, b);                                                       \
         v1e_write_kv((const char *)b->k, (const char *)(b->qkv + w->q + w->kv), L->k_cache,    \
@@ -144,7 +182,9 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
                                     L->window, sh->scale))                                     \
             return 1;                                                                          \
         if (matmul_##S(sh, b->attn, L->o_weight, L->o_packed, NULL, b->x, M, sh->hidden,       \
-                       w->q))                                                                  \
+                       w->q) ||                                                                \
+            add_lora_##S(sh, b, b->attn, L->o_lora_a, L->o_lora_b, L->o_lora_width, b->x, M,   \
+                         sh->hidden, w->q))                                                    \
             return 1;                                                                          \
         if (L->o_bias) add_bias_##S(b->x, L->o_bias, M, sh->hidden);                           \
         return 0;                                                                              \
@@ -155,30 +195,47 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     {                                                                                          \
         const long I = sh->intermediate;                                                       \
         if (matmul_##S(sh, b->h, L->gate_up_weight, L->gate_up_packed, L->gate_up_bias,        \
-                       b->gate_up, M, 2 * I, sh->hidden))                                      \
+                       b->gate_up, M, 2 * I, sh->hidden) ||                                    \
+            add_lora_##S(sh, b, b->h, L->gate_up_lora_a, L->gate_up_lora_b,                    \
+                         L->gate_up_lora_width, b->gate_up, M, 2 * I, sh->hidden))             \
             return 1;                                                                          \
         v1e_silu_and_mul_##S(b->gate_up, b->act, M, I);                                        \
         if (matmul_##S(sh, b->act, L->down_weight, L->down_packed, NULL, b->x, M, sh->hidden,  \
-                       I))                                                                     \
+                       I) ||                                                                   \
+            add_lora_##S(sh, b, b->act, L->down_lora_a, L->down_lora_b, L->down_lora_width,    \
+                         b->x, M, sh->hidden, I))                                              \
             return 1;                                                                          \
         if (L->down_bias) add_bias_##S(b->x, L->down_bias, M, sh->hidden);                     \
         return 0;                                                                              \
     }                                                                                          \
                                                                                                \
-    /* Carves the buffers out of one allocation, which b->residual starts; 0 if it failed. */  \
+    /* Carves the buffers out of one allocation, which b->residual starts, and with LoRA the   \
+       float row of another; 0 if either failed. */                                           \
     static int allocate_##S(const struct v1e_decoder_shape *sh, const struct widths *w,       \
-                            long M, struct buffers_##S *b)                                     \
+                            const struct v1e_decoder_layer *L, long M, struct buffers_##S *b)  \
     {                                                                                          \
         const long H = sh->hidden, I = sh->intermediate;                                       \
+        long lora = 0; /* the widest slot */                                                   \
+        const long slot_widths[] = {L->qkv_lora_width, L->o_lora_width,                        \
+                                    L->gate_up_lora_width, L->down_lora_width};                \
+        for (long i = 0; b->lora_slot >= 0 && i < 4; i++)                                      \
+            if (slot_widths[i] > lora) lora = slot_widths[i];                                  \
         T **parts[] = {&b->residual, &b->h, &b->x, &b->qkv, &b->q_normed, &b->k_normed,        \
-                       &b->q, &b->k, &b->attn, &b->gate_up, &b->act};                          \
-        const long sizes[] = {H, H, H, w->qkv, w->q, w->kv, w->q, w->kv, w->q, 2 * I, I};      \
+                       &b->q, &b->k, &b->attn, &b->gate_up, &b->act, &b->lora_x};              \
+        const long sizes[] = {H, H, H, w->qkv, w->q, w->kv, w->q, w->kv, w->q, 2 * I, I, lora}; \
         const long n = sizeof sizes / sizeof sizes[0];                                         \
         long total = 0;                                                                        \
         for (long i = 0; i < n; i++) total += M * sizes[i];                                    \
         T *p = malloc(sizeof(T) * total);                                                      \
         for (long i = 0; p && i < n; p += M * sizes[i], i++) *parts[i] = p;                   \
-        return p != NULL;                                                                      \
+        b->lora_acc = NULL;                                                                    \
+        if (!p || !lora) return p != NULL;                                                     \
+        long widest = H; /* the widest matmul output */                                        \
+        if (w->qkv > widest) widest = w->qkv;                                                  \
+        if (2 * I > widest) widest = 2 * I;                                                    \
+        b->lora_acc = malloc(sizeof(float) * widest);                                          \
+        if (!b->lora_acc) free(b->residual);                                                   \
+        return b->lora_acc != NULL;                                                            \
     }                                                                                          \
                                                                                                \
     /* x [tokens, hidden]: the embeddings -> out [tokens, hidden]: the final norm's output. */ \
@@ -189,8 +246,8 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
     {                                                                                          \
         const long M = st->tokens, H = sh->hidden;                                             \
         const struct widths w = widths_of(sh);                                                 \
-        struct buffers_##S b;                                                                  \
-        if (!allocate_##S(sh, &w, M, &b)) return 1;                                            \
+        struct buffers_##S b = {.lora_slot = st->lora_slot};                                   \
+        if (!allocate_##S(sh, &w, layers, M, &b)) return 1;                                    \
         memcpy(b.residual, x, sizeof(T) * M * H);                                              \
         v1e_rms_norm_##S(x, NULL, layers[0].input_norm, NULL, b.h, M, H, sh->eps);             \
         int failed = 0;                                                                        \
@@ -206,6 +263,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
         if (!failed)                                                                           \
             v1e_rms_norm_##S(b.x, b.residual, final_norm, b.residual, out, M, H, sh->eps);     \
         free(b.residual);                                                                      \
+        free(b.lora_acc);                                                                      \
         return failed;                                                                         \
     }
 

@@ -8,7 +8,9 @@ count included), so the hidden states are bit-identical to the layer-by-layer fo
 (`tests/model/test_decode_stack.py`). It applies to steps of at most `linear.max_kernel_tokens`
 rows (for every matmul's width) without padding (decodes, or decodes and a few prompt tokens)
 that the CPU attention backend planned (`CpuAttentionMetadata` for every KV cache group), at
-tensor-parallel size 1, with KV caches of the model's dtype; every other step runs the layers.
+tensor-parallel size 1, with KV caches of the model's dtype, and whose tokens run no LoRA
+adapter or all the same one (its deltas are added in C, not bit-identical to the layers' but
+close: tests/lora/test_lora_decode_stack.py); every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from v1engine.model.layers.rotary_embedding import CosSin
 from v1engine.model.parallel_state import get_tp_world_size
 
 if TYPE_CHECKING:
+    from v1engine.lora.layers import LoRASlots
     from v1engine.model.models.llama import LlamaDecoderLayer, LlamaModel
 
 _P, _N = ctypes.c_void_p, ctypes.c_long
@@ -35,6 +38,9 @@ _WEIGHTS = (
     "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias",
     "qkv_packed", "o_packed", "gate_up_packed", "down_packed",
 )  # fmt: skip
+# Each matmul's LoRA slots (lora/layers.py), if LoRA is on: its `a` and `b_t`, then slot widths.
+_LORA_MATMULS = ("qkv", "o", "gate_up", "down")
+_LORA = tuple(f"{m}_lora_{t}" for m in _LORA_MATMULS for t in ("a", "b"))
 
 
 # The C structs of cpu_decoder_stack.c, field for field.
@@ -43,6 +49,8 @@ class _Layer(ctypes.Structure):
         ("kv_cache_group", _N),
         ("block_size", _N),
         ("window", _N),
+        *((name, _P) for name in _LORA),
+        *((f"{m}_lora_width", _N) for m in _LORA_MATMULS),
     ]
 
 
@@ -68,6 +76,7 @@ class _Step(ctypes.Structure):
         ("table_strides", ctypes.POINTER(_N)),
         ("seq_lens", ctypes.POINTER(_P)),
         ("query_start_locs", ctypes.POINTER(_P)),
+        ("lora_slot", _N),
     ]
 
 
@@ -106,7 +115,7 @@ class LlamaDecodeStack:
         metadata = context.attn_metadata
         return (
             metadata is not None
-            and context.lora is None  # adapters' deltas run in the layers' torch code
+            and (context.lora is None or context.lora.slot is not None)  # no mix of adapters
             and hidden.shape[0] <= self._max_tokens
             and all(
                 isinstance(m, CpuAttentionMetadata) and m.num_rows == hidden.shape[0]
@@ -119,7 +128,8 @@ class LlamaDecodeStack:
     def __call__(self, hidden: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
         """The embeddings hidden [tokens, hidden_size] -> the final norm's output, as
         `LlamaModel.forward`; check `applies` first."""
-        metadata: list[CpuAttentionMetadata] = get_forward_context().attn_metadata  # type: ignore
+        context = get_forward_context()
+        metadata: list[CpuAttentionMetadata] = context.attn_metadata  # type: ignore
         cos, sin = (t.contiguous() for t in cos_sin)
         groups = len(metadata)
         step = _Step(
@@ -132,6 +142,7 @@ class LlamaDecodeStack:
             (_N * groups)(*(m.block_table.stride(0) for m in metadata)),
             (_P * groups)(*(m.seq_lens.data_ptr() for m in metadata)),
             (_P * groups)(*(cpu_kernels.data_pointer(m.query_start_loc) for m in metadata)),
+            -1 if context.lora is None else context.lora.slot,
         )
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
@@ -195,12 +206,18 @@ def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
         o_packed=attention.o_proj.packed_weight,
         gate_up_packed=mlp.gate_up_proj.packed_weight,
         down_packed=mlp.down_proj.packed_weight,
+        **{
+            f"{matmul}_lora_{side}": None if slots is None else getattr(slots, name)
+            for matmul, slots in zip(_LORA_MATMULS, _lora_slots(layer))
+            for side, name in (("a", "a"), ("b", "b_t"))
+        },
     )
 
 
 def _layer_struct(layer: LlamaDecoderLayer, weights: dict[str, torch.Tensor | None]) -> _Layer:
     attn = layer.self_attn.attn
     k_cache, v_cache = attn.kv_cache
+    slots = _lora_slots(layer)
     return _Layer(
         *(cpu_kernels.data_pointer(weights[name]) for name in _WEIGHTS),
         k_cache.data_ptr(),
@@ -208,4 +225,12 @@ def _layer_struct(layer: LlamaDecoderLayer, weights: dict[str, torch.Tensor | No
         attn.kv_cache_group_index,
         k_cache.shape[1],
         attn.sliding_window or 0,
+        *(cpu_kernels.data_pointer(weights[name]) for name in _LORA),
+        *(0 if s is None else s.slot_width for s in slots),
     )
+
+
+def _lora_slots(layer: LlamaDecoderLayer) -> list[LoRASlots | None]:
+    """The layer's matmuls' LoRA slots, in _LORA_MATMULS order (None each without LoRA)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return [p.lora for p in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
