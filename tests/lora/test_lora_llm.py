@@ -67,24 +67,30 @@ def _setup(tmp, arch: str):
     return base, per_prompt, expected, tmp, models
 
 
-def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup):
-    base, per_prompt, expected, _, models = setup
-    # One slot for two adapters: they take turns, each reloaded after the other evicted it.
-    with make_llm(base, enable_lora=True, max_loras=1) as llm:
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
-        assert token_ids(outputs) == expected
-        # One adapter for every prompt, then none: the base model's tokens are untouched.
-        single = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=per_prompt[0])
-        assert token_ids(single) == expected[:1]
-        chat_free = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
-        assert token_ids(chat_free) == expected[1:2]
-        search = BeamSearchParams(beam_width=2, max_tokens=4)
-        (found,) = llm.beam_search(PROMPTS[:1], search, lora_request=per_prompt[0])
-        prompt = PROMPTS[0]
-        got = [(s.tokens[len(prompt) :], s.cum_logprob) for s in found.sequences]
-        want = hf_beam_search(models["full"], prompt, width=2, max_tokens=4)
-        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
-        assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-4)
+@pytest.fixture(scope="module")
+def one_slot_llm(setup):
+    """One slot for two adapters: they take turns, each reloaded after the other evicted it."""
+    with make_llm(setup[0], enable_lora=True, max_loras=1) as llm:
+        yield llm
+
+
+def test_adapters_and_the_base_model_in_one_batch_match_merged_weights(setup, one_slot_llm):
+    _, per_prompt, expected, _, models = setup
+    llm = one_slot_llm
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+    assert token_ids(outputs) == expected
+    # One adapter for every prompt, then none: the base model's tokens are untouched.
+    single = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=per_prompt[0])
+    assert token_ids(single) == expected[:1]
+    chat_free = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+    assert token_ids(chat_free) == expected[1:2]
+    search = BeamSearchParams(beam_width=2, max_tokens=4)
+    (found,) = llm.beam_search(PROMPTS[:1], search, lora_request=per_prompt[0])
+    prompt = PROMPTS[0]
+    got = [(s.tokens[len(prompt) :], s.cum_logprob) for s in found.sequences]
+    want = hf_beam_search(models["full"], prompt, width=2, max_tokens=4)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    assert [p for _, p in got] == pytest.approx([p for _, p in want], abs=1e-4)
 
 
 def test_tensor_parallel_ranks_shard_each_adapter_under_preemption_and_chunking(setup):
@@ -107,22 +113,21 @@ def test_qwen3_with_its_own_head_size_and_qk_norms(tmp_path):
         assert token_ids(outputs) == expected
 
 
-def test_a_bad_adapter_fails_its_request_only(setup):
+def test_a_bad_adapter_fails_its_request_only(setup, one_slot_llm):
     base, per_prompt, expected, tmp, _ = setup
-    config = AutoConfig.from_pretrained(base)
-    too_wide = make_adapter(tmp / "rank32", config, rank=32)
-    with make_llm(base, enable_lora=True) as llm:
-        with pytest.raises(ValueError, match="max_lora_rank is 16"):
-            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("wide", 3, too_wide))
-        with pytest.raises(ValueError, match="no adapter_config.json there"):
-            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("gone", 4, str(tmp / "x")))
-        with pytest.raises(ValueError, match="got 2 lora requests for 5 prompts"):
-            llm.generate(PROMPTS, GREEDY, lora_request=per_prompt[:2])
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
-        assert token_ids(outputs) == expected
-        other = LoRARequest("other", 1, per_prompt[2].lora_path)  # id 1 is "full"'s
-        with pytest.raises(ValueError, match="lora_int_id 1 already names the adapter"):
-            llm.generate(PROMPTS[:1], GREEDY, lora_request=other)
+    llm = one_slot_llm
+    too_wide = make_adapter(tmp / "rank32", AutoConfig.from_pretrained(base), rank=32)
+    with pytest.raises(ValueError, match="max_lora_rank is 16"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("wide", 3, too_wide))
+    with pytest.raises(ValueError, match="no adapter_config.json there"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("gone", 4, str(tmp / "x")))
+    with pytest.raises(ValueError, match="got 2 lora requests for 5 prompts"):
+        llm.generate(PROMPTS, GREEDY, lora_request=per_prompt[:2])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=per_prompt)
+    assert token_ids(outputs) == expected
+    other = LoRARequest("other", 1, per_prompt[2].lora_path)  # id 1 is "full"'s
+    with pytest.raises(ValueError, match="lora_int_id 1 already names the adapter"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=other)
 
 
 def test_an_engine_without_lora_refuses_adapters_naming_the_flag():

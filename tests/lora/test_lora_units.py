@@ -15,7 +15,8 @@ from tests.core.fake_worker import step as run_step
 from tests.core.test_kv_cache_manager import _manager, _prefill
 from tests.lora.adapters import make_adapter
 from tests.model.checkpoints import make_config
-from v1engine.entrypoints.openai.serving_models import parse_lora_modules
+from v1engine.config import EngineConfig, LoRAConfig, ModelConfig
+from v1engine.entrypoints.openai.serving_models import check_lora_modules, parse_lora_modules
 from v1engine.lora.adapter import CheckedAdapters, load_adapter
 from v1engine.lora.request import LoRARequest
 
@@ -145,6 +146,17 @@ def test_lora_modules_take_both_of_vllms_forms():
     ]:
         with pytest.raises(ValueError, match=message):
             parse_lora_modules(bad)
+
+
+def test_lora_modules_are_checked_before_the_engine_starts(tmp_path):
+    loras = {"a": LoRARequest("a", 1, make_adapter(tmp_path / "a", CONFIG, rank=32))}
+    without_lora = EngineConfig(model_config=ModelConfig(hf_config=CONFIG))
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        check_lora_modules(loras, without_lora)
+    config = EngineConfig(model_config=ModelConfig(hf_config=CONFIG), lora_config=LoRAConfig())
+    with pytest.raises(ValueError, match="rank 32 but max_lora_rank is 16"):
+        check_lora_modules(loras, config)
+    check_lora_modules({}, without_lora)
 
 
 def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():

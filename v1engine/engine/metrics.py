@@ -84,7 +84,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.requests: dict[str, RequestStats] = {}  # by engine (child) request id
         self._last_stats = SchedulerStats()
-        self.lora_info: Gauge | None = None  # set_max_loras
+        self.lora_info: Gauge | None = None  # with LoRA (set_engine_info)
         self._add_gauges_and_counters()
         self._add_latency_histograms()
         self._add_count_histograms(build_1_2_5_buckets(max_model_len))

@@ -187,10 +187,9 @@ class LLM:
             for batch in batches:
                 while live := [search for search in batch if not search.done]:
                     beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
-                    steps = self.generate(
-                        beams, one_step, use_tqdm=False, lora_request=lora_request
+                    outputs = iter(
+                        self.generate(beams, one_step, use_tqdm=False, lora_request=lora_request)
                     )
-                    outputs = iter(steps)
                     for search in live:
                         search.advance([step_candidates(next(outputs)) for _ in search.beams])
                     bar.update(1)

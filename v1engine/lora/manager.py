@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from v1engine.config import LoRAConfig
-from v1engine.logger import init_logger
+from v1engine.logger import info_once, init_logger
 from v1engine.lora.adapter import LoRAAdapter, load_adapter
 from v1engine.lora.layers import LoRAMapping, LoRASlots
 from v1engine.lora.request import LoRARequest
@@ -121,7 +121,7 @@ class LoRAModelManager:
         adapter = self.adapters.pop(lora.lora_int_id, None)
         if adapter is None:
             adapter = load_adapter(lora.lora_path, self.hf_config, self.config.max_lora_rank)
-            logger.info("Loaded LoRA adapter %r from %s", lora.lora_name, lora.lora_path)
+            info_once(logger, "Loaded LoRA adapter %r from %s", lora.lora_name, lora.lora_path)
         self.adapters[lora.lora_int_id] = adapter  # most recently used last
         while len(self.adapters) > self.config.num_cpu_loras:
             self.adapters.popitem(last=False)

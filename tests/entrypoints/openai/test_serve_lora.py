@@ -162,15 +162,8 @@ def test_adapters_are_added_and_removed_at_runtime(server, client, adapters, exp
     assert [c.id for c in client.models.list().data] == ["tiny", "full", "partial"]
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--lora-modules", "a=/nowhere"], "--lora-modules needs --enable-lora"),
-        (["--enable-lora", "--lora-modules", "a=/nowhere"], "no adapter_config.json there"),
-        (["--enable-lora", "--lora-modules", "a"], "expected name=path"),
-    ],
-)
-def test_bad_lora_flags_stop_the_server_before_the_engine_starts(tiny_model, flags, message):
+def test_an_adapter_the_model_cannot_serve_stops_the_server_before_the_engine(tiny_model):
+    flags = ["--enable-lora", "--lora-modules", "a=/nowhere"]
     args = [
         sys.executable,
         "-m",
@@ -183,4 +176,4 @@ def test_bad_lora_flags_stop_the_server_before_the_engine_starts(tiny_model, fla
     ]
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=scaled(120))
     assert done.returncode != 0
-    assert message in done.stderr + done.stdout
+    assert "LoRA adapter '/nowhere': no adapter_config.json there" in done.stderr + done.stdout
