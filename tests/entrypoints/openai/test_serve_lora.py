@@ -1,10 +1,10 @@
 """LoRA adapters on a real `python -m v1engine.serve` (tiny random llama with SmolLM2's
 tokenizer, TP=1, fp32) through the official `openai` client: `--lora-modules` serves each adapter
-under its name, whose greedy tokens (and beam search) are transformers' with the adapter merged
-into the weights (the base model's stay the base model's, also when the three run at once);
-/v1/models lists the adapters and /metrics vLLM's vllm:lora_requests_info; with
-V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters are added and removed while the server runs; bad
-adapters and flags fail with messages that name the fix."""
+under its name (completions, chat, the Responses API), whose greedy tokens (and beam search) are
+transformers' with the adapter merged into the weights (the base model's stay the base model's,
+also when the three run at once); /v1/models lists the adapters and /metrics vLLM's
+vllm:lora_requests_info; with V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters are added and
+removed while the server runs; bad adapters and flags fail with messages that name the fix."""
 
 from __future__ import annotations
 
@@ -110,6 +110,18 @@ def test_a_chat_stream_names_its_adapter(client):
         "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         == whole.choices[0].message.content
     )
+
+
+def test_a_response_runs_its_adapter_as_the_chat_completion_does(client):
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="full", messages=messages, max_tokens=5, temperature=0.0
+    )
+    response = client.responses.create(
+        model="full", input=messages, max_output_tokens=5, temperature=0.0
+    )
+    assert response.model == "full"
+    assert response.output_text == chat.choices[0].message.content
 
 
 def test_models_lists_the_adapters_with_their_base(client, adapters):
