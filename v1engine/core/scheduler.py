@@ -216,7 +216,8 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         manager = self.kv_cache_manager
         skipped: list[Request] = []  # requests that must wait, put back in order below
-        loras = {r.lora_int_id for r in self.running} - {0}  # adapters in the workers' slots
+        # The adapters in the workers' slots (no set to build per step without LoRA).
+        loras = {r.lora_int_id for r in self.running} - {0} if self.max_loras else set()
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             lora_id = request.lora_int_id
@@ -383,15 +384,17 @@ class Scheduler:
             num_prefix_cache_query_tokens=prefix_stats.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
-            running_lora_adapters=_lora_counts(self.running),
-            waiting_lora_adapters=_lora_counts(self.waiting),
+            **(self._lora_stats() if self.max_loras else {}),
         )
+
+    def _lora_stats(self) -> dict[str, dict[str, int]]:
+        """vLLM's adapter name -> requests counts, running and waiting."""
+        counts = [
+            Counter(r.lora_request.lora_name for r in q if r.lora_request)
+            for q in (self.running, self.waiting)
+        ]
+        return {"running_lora_adapters": dict(counts[0]), "waiting_lora_adapters": dict(counts[1])}
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
     return request.priority, request.arrival_time
-
-
-def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
-    names = [r.lora_request.lora_name for r in requests if r.lora_request is not None]
-    return dict(Counter(names))
