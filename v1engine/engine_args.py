@@ -110,7 +110,7 @@ class EngineArgs:
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=self.device),
-            lora_config=self._lora_config(),
+            lora_config=self._lora_config(model_config.runner_type),
         )
         if hf_config is not None:
             from v1engine.model.hf_config import check_tensor_parallel_shape, get_architecture
@@ -119,11 +119,17 @@ class EngineArgs:
             check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
         return config
 
-    def _lora_config(self) -> LoRAConfig | None:
+    def _lora_config(self, runner_type: str) -> LoRAConfig | None:
+        """Raises ValueError for LoRA on a pooling engine (`runner_type`: "pooling" asked for,
+        or "auto" resolved to it for an embedding or classifier checkpoint): its requests
+        would run the base model whatever adapter they named."""
         if not self.enable_lora:
             return None
-        if self.runner == "pooling":
-            raise ValueError("enable_lora serves generation only; drop it or --runner pooling")
+        if runner_type == "pooling":
+            raise ValueError(
+                "enable_lora serves generation only, and this engine pools (embeddings or "
+                "classification); drop --enable-lora"
+            )
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _model_config(self) -> ModelConfig:

@@ -159,6 +159,17 @@ def test_lora_modules_are_checked_before_the_engine_starts(tmp_path):
     check_lora_modules({}, without_lora)
 
 
+def test_a_pooling_engine_refuses_lora(tmp_path):
+    from tests.model.checkpoints import make_checkpoint
+    from v1engine.engine_args import EngineArgs
+
+    embedder = make_checkpoint(tmp_path, "llama", base_model=True)  # "auto" runs it as pooling
+    with pytest.raises(ValueError, match="enable_lora serves generation only"):
+        EngineArgs(embedder, enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="enable_lora serves generation only"):
+        EngineArgs(embedder, enable_lora=True, runner="pooling").create_engine_config()
+
+
 def test_the_scheduler_runs_at_most_max_loras_adapters_at_once():
     scheduler = make_scheduler(max_loras=1)
     worker = make_worker(scheduler)
