@@ -174,6 +174,16 @@ def test_adapters_are_added_and_removed_at_runtime(server, client, adapters, exp
     assert [c.id for c in client.models.list().data] == ["tiny", "full", "partial"]
 
 
+def test_runtime_updates_refuse_fields_they_would_ignore(server, adapters):
+    load, unload = server.url + "/v1/load_lora_adapter", server.url + "/v1/unload_lora_adapter"
+    inplace = {"lora_name": "x", "lora_path": adapters["full"], "load_inplace": True}
+    refused = httpx.post(load, json=inplace)
+    assert refused.status_code == 400 and "load_inplace" in refused.text
+    wrong_id = httpx.post(unload, json={"lora_name": "full", "lora_int_id": 99})
+    assert wrong_id.status_code == 400 and "has lora_int_id 1, not 99" in wrong_id.text
+    assert "full" in [card["id"] for card in httpx.get(server.url + "/v1/models").json()["data"]]
+
+
 def test_an_adapter_the_model_cannot_serve_stops_the_server_before_the_engine(tiny_model):
     flags = ["--enable-lora", "--lora-modules", "a=/nowhere"]
     args = [

@@ -26,14 +26,15 @@ from v1engine.lora.request import LoRARequest
 RUNTIME_UPDATES_ENV = "V1ENGINE_ALLOW_RUNTIME_LORA_UPDATING"
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+# Unknown fields (vLLM's `load_inplace`, say) are a 400 naming them, not silently dropped.
+class LoadLoRAAdapterRequest(BaseModel, extra="forbid"):
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(BaseModel, extra="forbid"):
     lora_name: str
-    lora_int_id: int | None = None  # vLLM's; the name decides
+    lora_int_id: int | None = None  # vLLM's: when given, the named adapter's id
 
 
 class ServedModels:
@@ -95,12 +96,20 @@ class ServedModels:
         """Removes an adapter by name; returns the success message. Raises APIError 404 when
         runtime updates are off or no adapter has that name."""
         _require_runtime_updates()
-        if self.loras.pop(request.lora_name, None) is None:
+        lora = self.loras.get(request.lora_name)
+        if lora is None:
             raise APIError(
                 f"no LoRA adapter is named {request.lora_name!r}",
                 HTTPStatus.NOT_FOUND,
                 param="lora_name",
             )
+        if request.lora_int_id not in (None, lora.lora_int_id):
+            raise APIError(
+                f"LoRA adapter {request.lora_name!r} has lora_int_id {lora.lora_int_id}, not "
+                f"{request.lora_int_id}; send its id or none",
+                param="lora_int_id",
+            )
+        del self.loras[request.lora_name]
         return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
 
