@@ -34,6 +34,9 @@ _CHOICES = {
     "runner": RUNNER_TYPES,
 }
 
+# vLLM's short forms.
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+
 
 @dataclass
 class EngineArgs:
@@ -172,7 +175,11 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
                 continue
             parser.add_argument(
-                flag, type=_field_type(f), default=default, choices=_CHOICES.get(f.name)
+                *_SHORT_FLAGS.get(f.name, ()),
+                flag,
+                type=_field_type(f),
+                default=default,
+                choices=_CHOICES.get(f.name),
             )
         return parser
 

@@ -2,6 +2,7 @@
 
     python -m v1engine.serve                                   # the embedded SmolLM2 model
     python -m v1engine.serve --model /path/to/hf_dir --tensor-parallel-size 2 --port 8000
+    python -m v1engine.serve /path/to/hf_dir -tp 2 --config serve.yaml   # vLLM's forms
 
 Every `EngineArgs` field is a flag (`--model`, `--tensor-parallel-size`, `--device`, `--dtype`,
 `--max-model-len`, `--gpu-memory-utilization`, ...), plus the server's own below and the limits on
@@ -10,6 +11,10 @@ what one request may ask (`--max-n`, `--max-logprobs`, `--max-stop-sequences`,
 `--structured-outputs-disable-any-whitespace`, `--enable-auto-tool-choice --tool-call-parser
 hermes`, and HTTPS with `--ssl-keyfile KEY --ssl-certfile CERT`. Exits 0 after
 SIGINT/SIGTERM, 1 when the engine dies, 2 for bad arguments or a failed start-up.
+
+As `vllm serve`: the model may also come first, without `--model`; `-tp` is
+`--tensor-parallel-size`; `--config FILE` reads flags from a YAML mapping (`port: 8000`,
+`enable-lora: true`, `served-model-name: [a, b]`), which the command line overrides.
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ def make_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m v1engine.serve",
         description="OpenAI-compatible HTTP server for one node (one worker per device).",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model (vLLM's `vllm serve MODEL`)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a YAML file of flags (`port: 8000`); the command line overrides it",
     )
     _add_server_args(parser.add_argument_group("server"))
     RequestLimits.add_cli_args(parser.add_argument_group("request limits"))
@@ -100,8 +118,75 @@ def _json_str_list(text: str) -> list[str]:
     return value
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `--config FILE`'s flags before it (so the command line wins) and
+    a first positional MODEL as `--model`."""
+    parser = make_arg_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    if args.config is not None:
+        args = parser.parse_args(_config_file_args(parser, args.config) + argv)
+    if args.model_tag is not None:
+        given = any(arg == "--model" or arg.startswith("--model=") for arg in argv)
+        if given and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
+    return args
+
+
+def _config_file_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """`path`'s YAML mapping as command-line flags: a key is a flag's long name (dashes or
+    underscores), a value its argument (true/false for switches, a list for a flag that takes
+    several, a mapping for a JSON flag). Unknown keys are an error, not ignored."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            mapping = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config {path}: cannot read it as YAML: {e}")
+    if mapping is None:
+        return []
+    if not isinstance(mapping, dict):
+        parser.error(
+            f"--config {path}: expected a mapping of flags (`port: 8000`), got YAML "
+            f"{type(mapping).__name__}"
+        )
+    actions = {opt: action for action in parser._actions for opt in action.option_strings}
+    argv: list[str] = []
+    for key, value in mapping.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag in ("--config", "--help"):
+            parser.error(
+                f"--config {path}: {key!r} is not a flag of python -m v1engine.serve (see --help)"
+            )
+        argv += _flag_args(parser, path, flag, action, value)
+    return argv
+
+
+def _flag_args(parser, path: str, flag: str, action: argparse.Action, value: Any) -> list[str]:
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            parser.error(f"--config {path}: {flag[2:]} takes true or false, got {value!r}")
+        if isinstance(action, argparse._StoreTrueAction):
+            return [flag] if value else []
+        return [flag if value else "--no-" + flag[2:]]
+    if isinstance(value, list) and action.nargs in ("+", "*"):
+        return [flag, *(_flag_value(item) for item in value)]
+    return [flag, _flag_value(value)]
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_arg_parser().parse_args(argv)
+    args = parse_args(argv)
     from v1engine.entrypoints.openai.startup import run_server
 
     try:
