@@ -64,7 +64,7 @@ class EngineTimer:
         self._wrap(core.scheduler, "schedule", "schedule", self._note_kind)
         self._wrap(core.executor, "execute_model", "core execute_model")
         self._wrap(core.scheduler, "update_from_output", "update_from_output")
-        self._wrap(llm.output_processor, "process_outputs", "output processing")
+        self._wrap(llm.llm_engine.output_processor, "process_outputs", "output processing")
         self._wrap(core, "step", "step total")
 
     def _note_kind(self, scheduler_output: Any) -> None:

@@ -2,7 +2,8 @@
 
     from v1engine import LLM, SamplingParams, EngineArgs   # and AsyncLLM, for asyncio code
 
-`LLM`, `AsyncLLM` and `EngineCore` are imported on first use: worker processes import this
+`LLMEngine` is vLLM's step-by-step offline engine under `LLM`. `LLM`, `LLMEngine`, `AsyncLLM` and
+`EngineCore` are imported on first use: worker processes import this
 package too, and must not pay for the front end's imports.
 """
 
@@ -26,12 +27,14 @@ from v1engine.sampling_params import BeamSearchParams, SamplingParams
 if TYPE_CHECKING:
     from v1engine.core.engine_core import EngineCore
     from v1engine.engine.async_llm import AsyncLLM
+    from v1engine.engine.llm_engine import LLMEngine
     from v1engine.entrypoints.llm import LLM
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "AsyncLLM",
     "BeamSearchParams",
     "CacheConfig",
@@ -50,6 +53,7 @@ __all__ = [
 
 _LAZY = {
     "LLM": "v1engine.entrypoints.llm",
+    "LLMEngine": "v1engine.engine.llm_engine",
     "AsyncLLM": "v1engine.engine.async_llm",
     "EngineCore": "v1engine.core.engine_core",
 }

@@ -79,7 +79,7 @@ def test_a_prompt_the_engine_refuses_raises_and_leaves_nothing_running(llm):
     params = BeamSearchParams(beam_width=2, max_tokens=4)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.beam_search([PROMPTS[0], list(range(1, 200))], params)
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
     assert not llm.engine_core.scheduler.has_unfinished_requests()
     assert all_blocks_free(llm)
 

@@ -94,7 +94,7 @@ def test_bad_embedding_requests_name_what_is_wrong(embedder):
     with pytest.raises(ValueError, match="needs an engine started with runner='generate'"):
         embedder.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     # None of them left anything in the engine.
-    assert not embedder.output_processor.has_unfinished_requests()
+    assert not embedder.llm_engine.has_unfinished_requests()
     assert not embedder.engine_core.scheduler.has_unfinished_requests()
     assert all_blocks_free(embedder)
 
@@ -103,7 +103,7 @@ def test_a_generating_engine_refuses_to_embed(llama_checkpoint):
     with make_llm(llama_checkpoint) as llm:
         with pytest.raises(ValueError, match="--runner pooling"):
             llm.embed([[1, 2, 3]])
-        assert not llm.output_processor.has_unfinished_requests()
+        assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="runner must be one of"):
         make_llm(llama_checkpoint, runner="embed")
 

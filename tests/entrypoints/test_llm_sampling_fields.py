@@ -157,7 +157,7 @@ def test_a_cache_salt_in_the_prompt_keeps_the_prefix_cache_to_its_salt(llm):
     assert cached(cache_salt="b") == 0 and cached() == 0
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         cached(cache_salt="")
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(llm, tokenizer):
@@ -181,7 +181,7 @@ def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(llm, tokeniz
 def test_token_ids_outside_the_vocabulary_name_the_field(llm, params, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}.*outside the vocabulary"):
         generate(llm, SamplingParams(**params))
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
     assert generate(llm, greedy(max_tokens=2)).token_ids
 
 

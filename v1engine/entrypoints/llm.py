@@ -1,10 +1,10 @@
-"""LLM: offline batch generation. The engine core runs in this process (an `InprocClient`);
-its workers do not. Prompts go through the same `Processor` as the API server's.
+"""LLM: offline batch generation, over `LLMEngine` (`llm.llm_engine`, as vLLM's): the engine
+core runs in this process, its workers do not. Prompts go through the same `Processor` as the
+API server's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
@@ -18,10 +18,9 @@ from v1engine.engine.beam_search import (
     step_candidates,
     step_params,
 )
-from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.generation_defaults import describe
-from v1engine.engine.output_processor import OutputProcessor
-from v1engine.engine.processor import Processor, PromptType, as_parent_error
+from v1engine.engine.llm_engine import LLMEngine
+from v1engine.engine.processor import PromptType
 from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.engine_args import EngineArgs
 from v1engine.logger import init_logger
@@ -69,18 +68,13 @@ class LLM:
         self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
         if self.config.model_config.sampling_defaults:
             logger.info(describe(self.config.model_config))
-        self.client, self.tokenizer = EngineCoreClient.start_with_tokenizer(
-            self.config, multiprocess=False, skip_tokenizer=skip_tokenizer_init
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.processor = Processor(
-            self.config, self.tokenizer, self.output_processor, self.client.info
-        )
+        self.llm_engine = LLMEngine(self.config, skip_tokenizer_init)
+        self.processor, self.tokenizer = self.llm_engine.processor, self.llm_engine.tokenizer
         self._request_ids = itertools.count()
 
     @property
     def engine_core(self) -> EngineCore:
-        return self.client.engine_core
+        return self.llm_engine.engine_core
 
     def generate(
         self,
@@ -300,11 +294,11 @@ class LLM:
         unique_reply_rank: int | None = None,
     ) -> Any:
         """Runs `method` on every worker and returns their results (see `EngineCore`)."""
-        return self.client.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        return self.llm_engine.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""
-        return self.client.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     # -- steps ---------------------------------------------------------------------------------
     def _run(
@@ -324,32 +318,20 @@ class LLM:
                 text, token_ids = self.processor.tokenize(prompt)
                 request_id = str(next(self._request_ids))
                 request_ids.append(request_id)
-                for request in process(request_id, index, text, token_ids):
-                    try:
-                        self.client.add_request(request)
-                    except ValueError as e:
-                        raise as_parent_error(e, request.request_id, request_id) from e
+                requests = process(request_id, index, text, token_ids)
+                self.llm_engine.add_core_requests(request_id, requests)
             outputs = self._run_engine(len(request_ids), use_tqdm, desc)
         except BaseException:
-            self._abort(request_ids)
+            self.llm_engine.abort_request(request_ids)
             raise
         return [outputs[request_id] for request_id in request_ids]
-
-    def _abort(self, parent_ids: list[str]) -> None:
-        core_ids = self.processor.abort(parent_ids)
-        with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
-            self.client.abort_requests(core_ids)
 
     def _run_engine(self, num_requests: int, use_tqdm: bool, desc: str) -> dict[str, Any]:
         """Each request's final output (a RequestOutput, or a PoolingRequestOutput), by id."""
         finished: dict[str, Any] = {}
         with tqdm(total=num_requests, desc=desc, disable=not use_tqdm) as bar:
-            while self.output_processor.has_unfinished_requests():
-                outputs = self.client.get_output().outputs
-                request_outputs, to_abort = self.output_processor.process_outputs(outputs)
-                if to_abort:  # stopped by a stop string while the core was still running it
-                    self.client.abort_requests(to_abort)
-                for output in request_outputs:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
@@ -357,7 +339,7 @@ class LLM:
 
     # -- lifetime ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
