@@ -6,7 +6,8 @@
         for output in engine.step():   # RequestOutputs, cumulative, as vLLM's
             ...
 
-It owns the in-process engine-core client, the processor (prompt -> core requests) and the
+It owns the in-process engine-core client (`client`: also `collective_rpc` and
+`reset_prefix_cache`, which `LLM` offers), the processor (prompt -> core requests) and the
 output processor (core outputs -> RequestOutputs). Each `step()` runs one engine step in this
 thread and returns an output for every request it advanced. `LLM.generate` is this loop run to
 the end; the API server uses `AsyncLLM` instead, whose core runs in its own process.
@@ -15,8 +16,8 @@ the end; the API server uses `AsyncLLM` instead, whose core runs in its own proc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
 from v1engine.engine.output_processor import OutputProcessor
@@ -130,21 +131,6 @@ class LLMEngine:
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer prompts go through (None with `skip_tokenizer_init`)."""
         return self.tokenizer
-
-    def collective_rpc(
-        self,
-        method: str | Callable,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-    ) -> Any:
-        """Runs `method` on every worker and returns their results (see `EngineCore`)."""
-        return self.client.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix block; False (and nothing done) while requests run."""
-        return self.client.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -294,11 +294,13 @@ class LLM:
         unique_reply_rank: int | None = None,
     ) -> Any:
         """Runs `method` on every worker and returns their results (see `EngineCore`)."""
-        return self.llm_engine.collective_rpc(method, args, kwargs, timeout, unique_reply_rank)
+        return self.llm_engine.client.collective_rpc(
+            method, args, kwargs, timeout, unique_reply_rank
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""
-        return self.llm_engine.reset_prefix_cache()
+        return self.llm_engine.client.reset_prefix_cache()
 
     # -- steps ---------------------------------------------------------------------------------
     def _run(
