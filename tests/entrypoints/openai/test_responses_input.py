@@ -43,6 +43,13 @@ def test_a_replys_calls_join_its_assistant_turn() -> None:
     }
 
 
+def test_text_parts_join_as_a_chat_messages_do() -> None:
+    parts = [{"type": "input_text", "text": "Tell me"}, {"type": "input_text", "text": "a story"}]
+    assert input_messages([{"role": "user", "content": parts}]) == [
+        {"role": "user", "content": "Tell me\na story"}
+    ]
+
+
 @pytest.mark.parametrize(
     "item, match",
     [

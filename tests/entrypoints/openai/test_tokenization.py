@@ -79,6 +79,22 @@ def test_tokenize_a_chat_renders_it_as_chat_completions_does(server, tokenizer):
     assert without.json()["count"] < len(tokens)
 
 
+def test_text_parts_render_as_vllm_joins_them_and_an_image_is_a_400(server, tokenizer):
+    # OpenAI's clients may send content as a list of parts; vLLM joins text parts with "\n".
+    parts = [{"type": "text", "text": "Tell me a story"}, {"type": "text", "text": "about a fox."}]
+    joined = [CHAT[0], {"role": "user", "content": "Tell me a story\nabout a fox."}]
+    as_parts = _post(
+        server, "/tokenize", {"messages": [CHAT[0], {"role": "user", "content": parts}]}
+    )
+    assert as_parts.status_code == 200, as_parts.text
+    assert as_parts.json() == _post(server, "/tokenize", {"messages": joined}).json()
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    chat = [{"role": "user", "content": [parts[0], image]}]
+    response = _post(server, "/tokenize", {"messages": chat})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "only text content parts are supported, got 'image_url'" in response.text
+
+
 def test_tokenize_continues_the_final_message(server, tokenizer):
     partial = [*CHAT, {"role": "assistant", "content": "Once upon a"}]
     body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}

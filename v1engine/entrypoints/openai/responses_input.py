@@ -147,7 +147,7 @@ def _text(content: Any, where: str) -> str:
                 param="input",
             )
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat message's text parts (vLLM's rendering)
 
 
 def _chat_tool(tool: Any) -> dict[str, Any]:

@@ -346,7 +346,7 @@ def _as_template_message(message: ChatMessage) -> dict[str, Any]:
                     param="messages",
                 )
             texts.append(part["text"])
-        content = "".join(texts)
+        content = "\n".join(texts)  # vLLM's rendering of a list of text parts
     fields = {"role": message.role, "content": content or ""}
     thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
     if thinking is not None:  # under both names: templates read `reasoning_content` (Qwen3's)
