@@ -54,7 +54,7 @@ def test_text_parts_join_as_a_chat_messages_do() -> None:
     "item, match",
     [
         ({"role": "user", "content": 3}, r"input\[0\]\.content must be a string"),
-        ({"role": "user", "content": ["x"]}, r"input\[0\]\.content\[0\]: only text parts"),
+        ({"role": "user", "content": ["x"]}, r"input\[0\]\.content\[0\]: only text content parts"),
         ({"type": "function_call_output", "output": "x"}, r"input\[0\]\.call_id must be"),
         ({"type": "item_reference", "id": "x"}, "'item_reference', which this server"),
     ],

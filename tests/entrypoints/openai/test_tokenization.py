@@ -80,19 +80,27 @@ def test_tokenize_a_chat_renders_it_as_chat_completions_does(server, tokenizer):
 
 
 def test_text_parts_render_as_vllm_joins_them_and_an_image_is_a_400(server, tokenizer):
-    # OpenAI's clients may send content as a list of parts; vLLM joins text parts with "\n".
-    parts = [{"type": "text", "text": "Tell me a story"}, {"type": "text", "text": "about a fox."}]
-    joined = [CHAT[0], {"role": "user", "content": "Tell me a story\nabout a fox."}]
-    as_parts = _post(
-        server, "/tokenize", {"messages": [CHAT[0], {"role": "user", "content": parts}]}
-    )
-    assert as_parts.status_code == 200, as_parts.text
-    assert as_parts.json() == _post(server, "/tokenize", {"messages": joined}).json()
+    # OpenAI's clients may send content as a list of parts; vLLM joins the text-like ones
+    # (text, input_text, output_text, an assistant's refusal) with "\n".
+    parts = [
+        {"type": "text", "text": "Tell me a story"},
+        {"type": "input_text", "text": "of a fox."},
+    ]
+    refusal = [{"type": "refusal", "refusal": "I cannot."}, {"type": "output_text", "text": "Ok."}]
+    as_parts = [CHAT[0], {"role": "user", "content": parts}]
+    as_parts.append({"role": "assistant", "content": refusal})
+    joined = [CHAT[0], {"role": "user", "content": "Tell me a story\nof a fox."}]
+    joined.append({"role": "assistant", "content": "I cannot.\nOk."})
+    response = _post(server, "/tokenize", {"messages": as_parts})
+    assert response.status_code == 200, response.text
+    assert response.json() == _post(server, "/tokenize", {"messages": joined}).json()
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    chat = [{"role": "user", "content": [parts[0], image]}]
+    chat = [CHAT[0], {"role": "user", "content": [parts[0], image]}]
     response = _post(server, "/tokenize", {"messages": chat})
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
-    assert "only text content parts are supported, got 'image_url'" in response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("messages[1].content[1]: only text content parts (text, ")
+    assert message.endswith("are supported, got 'image_url'")
 
 
 def test_tokenize_continues_the_final_message(server, tokenizer):

@@ -16,12 +16,12 @@ from pydantic import ValidationError
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
 from v1engine.entrypoints.openai.protocol_responses import ResponsesRequest
+from v1engine.entrypoints.openai.serving_chat import join_text_parts
 
 # A chat message, as ChatCompletionRequest reads it.
 Message = dict[str, Any]
 
 _ROLES = ("user", "system", "developer", "assistant")
-_TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat's names for the fields a chat-side check may name, in the Responses API's terms.
 _PARAMS = {
     "messages": "input",
@@ -137,17 +137,7 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(f"{where} must be a string or a list of parts", param="input")
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(
-                f"{where}[{index}]: only text parts ({', '.join(_TEXT_PARTS)}) are supported, "
-                f"got {kind!r}",
-                param="input",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)  # as a chat message's text parts (vLLM's rendering)
+    return join_text_parts(content, where, "input")  # as a chat message's parts
 
 
 def _chat_tool(tool: Any) -> dict[str, Any]:

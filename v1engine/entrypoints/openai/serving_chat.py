@@ -297,18 +297,6 @@ def _calls_finish_reason(output: CompletionOutput) -> str:
     return "length" if output.finish_reason == "length" else "tool_calls"
 
 
-def require_one_form(request: Any, field: str, what: str, action: str) -> None:
-    """Raises APIError 400 naming `field` unless the request sends exactly one of `field`
-    (`what` it holds) and `messages` (vLLM's chat form of /tokenize and /v1/embeddings)."""
-    value = getattr(request, field)
-    if (value is None) == (request.messages is None):
-        raise APIError(
-            f"send one of `{field}` ({what}) and `messages` (a chat) to {action}; got "
-            f"{'both' if value is not None else 'neither'}",
-            param=field,
-        )
-
-
 def render_messages(
     processor: Processor,
     request: ChatCompletionRequest | TokenizeRequest | EmbeddingRequest,
@@ -320,7 +308,10 @@ def render_messages(
     Raises:
         APIError: 400 naming `messages` when the template cannot render them.
     """
-    messages = [_as_template_message(message) for message in request.messages or []]
+    messages = [
+        _as_template_message(message, f"messages[{index}].content")
+        for index, message in enumerate(request.messages or [])
+    ]
     try:
         return processor.render_chat(
             messages,
@@ -335,18 +326,34 @@ def render_messages(
         raise APIError(str(e), param="messages") from e
 
 
-def _as_template_message(message: ChatMessage) -> dict[str, Any]:
+# vLLM's text-like content parts, each with the field that holds its text.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def join_text_parts(parts: list[Any], where: str, param: str) -> str:
+    """A message's content parts as one string, joined by newlines as vLLM renders them.
+
+    Raises:
+        APIError: 400 (`param`) naming the part at `where` that is not text (an image, audio).
+    """
+    texts = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if field is None or not isinstance(part.get(field), str):
+            raise APIError(
+                f"{where}[{index}]: only text content parts ({', '.join(TEXT_PARTS)}) are "
+                f"supported, got {kind!r}",
+                param=param,
+            )
+        texts.append(part[field])
+    return "\n".join(texts)
+
+
+def _as_template_message(message: ChatMessage, where: str) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(
-                    f"only text content parts are supported, got {part.get('type')!r}",
-                    param="messages",
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)  # vLLM's rendering of a list of text parts
+        content = join_text_parts(content, where, "messages")
     fields = {"role": message.role, "content": content or ""}
     thinking = message.reasoning if message.reasoning is not None else message.reasoning_content
     if thinking is not None:  # under both names: templates read `reasoning_content` (Qwen3's)

@@ -32,11 +32,12 @@ from v1engine.entrypoints.openai.protocol_pooling import (
     EmbeddingResponse,
     PoolingRequest,
 )
-from v1engine.entrypoints.openai.serving_chat import render_messages, require_one_form
+from v1engine.entrypoints.openai.serving_chat import render_messages
 from v1engine.entrypoints.openai.serving_engine import (
     EngineInput,
     OpenAIServing,
     client_request_id,
+    require_one_form,
 )
 from v1engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from v1engine.pooling_params import PoolingParams

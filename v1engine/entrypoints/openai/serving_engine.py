@@ -385,3 +385,15 @@ async def _abort_on_disconnect(
         pass
     logger.info("client of %s disconnected; aborting it", ", ".join(request_ids))
     serving.abort_all(request_ids)
+
+
+def require_one_form(request: Any, field: str, what: str, action: str) -> None:
+    """Raises APIError 400 naming `field` unless the request sends exactly one of `field`
+    (`what` it holds) and `messages` (vLLM's chat form of /tokenize and /v1/embeddings)."""
+    value = getattr(request, field)
+    if (value is None) == (request.messages is None):
+        raise APIError(
+            f"send one of `{field}` ({what}) and `messages` (a chat) to {action}; got "
+            f"{'both' if value is not None else 'neither'}",
+            param=field,
+        )

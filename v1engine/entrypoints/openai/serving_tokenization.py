@@ -18,8 +18,8 @@ from v1engine.entrypoints.openai.protocol_tokenize import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from v1engine.entrypoints.openai.serving_chat import render_messages, require_one_form
-from v1engine.entrypoints.openai.serving_engine import OpenAIServing
+from v1engine.entrypoints.openai.serving_chat import render_messages
+from v1engine.entrypoints.openai.serving_engine import OpenAIServing, require_one_form
 
 
 class OpenAIServingTokenization(OpenAIServing):
