@@ -49,6 +49,19 @@ def test_stepping_gives_cumulative_outputs_ending_in_generates_tokens(llm):
     assert all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("kind", ["delta", "final"])
+def test_delta_and_final_outputs_as_async_llm_gives_them(llm, kind):
+    expected = token_ids(llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False))[0]
+    llm.llm_engine.add_request("r", PROMPTS[2], GREEDY, output_kind=kind)
+    outputs = _run_to_the_end(llm.llm_engine)["r"]
+    pieces = [output.outputs[0].token_ids for output in outputs]
+    if kind == "delta":  # one new token per output, adding up to the whole
+        assert all(len(piece) == 1 for piece in pieces)
+        assert [token for piece in pieces for token in piece] == expected
+    else:
+        assert pieces == [expected] and outputs[0].finished
+
+
 def test_an_aborted_request_gets_no_further_outputs(llm):
     engine = llm.llm_engine
     engine.add_request("kept", PROMPTS[0], GREEDY)
@@ -120,3 +133,9 @@ def test_from_engine_args_starts_its_own_engine(llama_checkpoint):
         assert final.finished and len(final.outputs[0].token_ids) == GREEDY.max_tokens
     finally:
         engine.shutdown()
+
+
+def test_an_unknown_output_kind_is_refused(llm):
+    with pytest.raises(ValueError, match="output_kind must be one of"):
+        llm.llm_engine.add_request("r", PROMPTS[0], GREEDY, output_kind="DELTA")
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
-from v1engine.engine.output_processor import OutputProcessor
+from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
 from v1engine.engine_args import EngineArgs
 from v1engine.lora.request import LoRARequest
@@ -65,11 +65,13 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        output_kind: OutputKind = "cumulative",
     ) -> None:
         """Queues one prompt (text, token ids, or a dict with `prompt` / `prompt_token_ids` and
         vLLM's `cache_salt`). With SamplingParams each `step()` that advances it returns its
-        output so far (cumulative, as vLLM's default `output_kind`); with PoolingParams the
-        engine's pooling task (embed or classify), one output when done.
+        output: all of it so far ("cumulative", vLLM's default), only what is new ("delta"),
+        or nothing until it finishes ("final"), as `AsyncLLM.generate` takes it; with
+        PoolingParams the engine's pooling task (embed or classify), one output when done.
 
         Raises:
             ValueError: the id is in use, or the prompt or params cannot be served; nothing
@@ -83,7 +85,7 @@ class LLMEngine:
         elif isinstance(params, SamplingParams):
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             requests = self.processor.process(
-                request_id, text, token_ids, params, "cumulative", priority, salt, lora_request
+                request_id, text, token_ids, params, output_kind, priority, salt, lora_request
             )
         else:
             raise TypeError(
