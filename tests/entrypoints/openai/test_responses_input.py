@@ -55,6 +55,7 @@ def test_text_parts_join_as_a_chat_messages_do() -> None:
     [
         ({"role": "user", "content": 3}, r"input\[0\]\.content must be a string"),
         ({"role": "user", "content": ["x"]}, r"input\[0\]\.content\[0\]: only text content parts"),
+        ({"role": "user", "content": [{"type": "input_text"}]}, "'input_text' part needs a string"),
         ({"type": "function_call_output", "output": "x"}, r"input\[0\]\.call_id must be"),
         ({"type": "item_reference", "id": "x"}, "'item_reference', which this server"),
     ],

@@ -340,12 +340,15 @@ def join_text_parts(parts: list[Any], where: str, param: str) -> str:
     for index, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         field = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
-        if field is None or not isinstance(part.get(field), str):
+        if field is None:
             raise APIError(
                 f"{where}[{index}]: only text content parts ({', '.join(TEXT_PARTS)}) are "
                 f"supported, got {kind!r}",
                 param=param,
             )
+        if not isinstance(part.get(field), str):
+            message = f"{where}[{index}]: a {kind!r} part needs a string {field!r}"
+            raise APIError(message, param=param)
         texts.append(part[field])
     return "\n".join(texts)
 
