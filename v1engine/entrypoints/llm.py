@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from v1engine.core.engine_core import EngineCore
-    from v1engine.request import EngineCoreRequest
 
 logger = init_logger(__name__)
 
@@ -102,16 +101,17 @@ class LLM:
         priorities = _per_prompt(priority or 0, int, len(prompts), "priorities")
         loras = _per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora requests")
 
-        def process(
-            request_id: str, index: int, text: str | None, token_ids: list[int]
-        ) -> list[EngineCoreRequest]:
-            prompt, priority = prompts[index], priorities[index]
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            return self.processor.process(
-                request_id, text, token_ids, params[index], "final", priority, salt, loras[index]
+        def add(request_id: str, index: int) -> None:
+            self.llm_engine.add_request(
+                request_id,
+                prompts[index],
+                params[index],
+                loras[index],
+                priorities[index],
+                output_kind="final",
             )
 
-        return self._run(prompts, process, use_tqdm, "Generating")
+        return self._run(len(prompts), add, use_tqdm, "Generating")
 
     def chat(
         self,
@@ -245,13 +245,17 @@ class LLM:
                 for p in params
             ]
 
-        def process(
-            request_id: str, index: int, text: str | None, token_ids: list[int]
-        ) -> list[EngineCoreRequest]:
-            return [self.processor.process_pooling(request_id, token_ids, params[index], task=task)]
+        def add(request_id: str, index: int) -> None:
+            # Not LLMEngine.add_request, which pools with the model's own task: embed() and
+            # classify() name the task they ask for, which the processor checks against it.
+            token_ids = self.processor.tokenize(prompts[index])[1]
+            request = self.processor.process_pooling(
+                request_id, token_ids, params[index], task=task
+            )
+            self.llm_engine.add_core_requests(request_id, [request])
 
         desc = "Classifying" if task == "classify" else "Embedding"
-        return [_pooled(output) for output in self._run(prompts, process, use_tqdm, desc)]
+        return [_pooled(output) for output in self._run(len(prompts), add, use_tqdm, desc)]
 
     def score(
         self,
@@ -304,24 +308,17 @@ class LLM:
 
     # -- steps ---------------------------------------------------------------------------------
     def _run(
-        self,
-        prompts: list[PromptType],
-        process: Callable[[str, int, str | None, list[int]], list[EngineCoreRequest]],
-        use_tqdm: bool,
-        desc: str,
+        self, num_prompts: int, add: Callable[[str, int], None], use_tqdm: bool, desc: str
     ) -> list[Any]:
-        """Adds each prompt's core requests (`process(request_id, index, text, token_ids)`,
-        the processor's), runs the engine until all finish and returns their final outputs in
-        prompt order. A bad prompt, or an interruption (Ctrl-C included), aborts every request
-        of the call: none outlives it."""
+        """Adds each prompt as a request (`add(request_id, prompt_index)`), runs the engine
+        until all finish and returns their final outputs in prompt order. A bad prompt, or an
+        interruption (Ctrl-C included), aborts every request of the call: none outlives it."""
         request_ids: list[str] = []
         try:
-            for index, prompt in enumerate(prompts):
-                text, token_ids = self.processor.tokenize(prompt)
+            for index in range(num_prompts):
                 request_id = str(next(self._request_ids))
                 request_ids.append(request_id)
-                requests = process(request_id, index, text, token_ids)
-                self.llm_engine.add_core_requests(request_id, requests)
+                add(request_id, index)
             outputs = self._run_engine(len(request_ids), use_tqdm, desc)
         except BaseException:
             self.llm_engine.abort_request(request_ids)
