@@ -29,3 +29,14 @@ def timeout_scale() -> float:
 def scaled(seconds: float) -> float:
     """`seconds` times the suite's timeout scale."""
     return seconds * timeout_scale()
+
+
+def failed_start_limit() -> float:
+    """How long a start-up that fails (a worker raising while it loads) may take to be reported:
+    it includes spawning and importing every process, which a machine with many test processes
+    at once (a GPU box running the suite 14 files at a time took 33 s) slows far more than
+    anything else, so the bound is a quarter of the worker start-up timeout it proves is not
+    waited out, not a speed."""
+    from v1engine.process import WORKER_STARTUP_TIMEOUT_S
+
+    return scaled(WORKER_STARTUP_TIMEOUT_S / 4)

@@ -26,7 +26,7 @@ from tests.core.counting_worker import (
 from tests.engine.core_utils import collect, core_request
 from tests.engine.sync_client import SyncMPClient
 from tests.process_utils import alive, start_json_script, wait_gone, wait_no_leftovers
-from tests.timeouts import scaled
+from tests.timeouts import failed_start_limit, scaled
 from v1engine.core_protocol import EngineCoreRequestType, encode
 from v1engine.engine.core_client import (
     AsyncMPClient,
@@ -148,7 +148,7 @@ def test_startup_failure_raises_with_the_workers_traceback():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="worker rank 1 failed to start") as e:
         SyncMPClient(make_config("FailingLoadWorker"))
-    assert time.monotonic() - start < scaled(30)
+    assert time.monotonic() - start < failed_start_limit()
     assert "no weights for rank 1" in str(e.value) and "Traceback" in str(e.value)
     core_pid = int(re.search(r"engine core pid (\d+)", str(e.value)).group(1))
     assert not alive(core_pid)

@@ -16,7 +16,10 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     out = []
     for prompt in prompts:
         ids = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None
+            torch.tensor([prompt], device=model.device),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
         )
         out.append(ids[0, len(prompt) :].tolist())
     return out

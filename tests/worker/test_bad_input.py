@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint
-from tests.timeouts import scaled
+from tests.timeouts import failed_start_limit
 from tests.worker.worker_utils import make_engine_config
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.executor.uniproc_executor import UniProcExecutor
@@ -27,7 +27,7 @@ def _start_fails(config, match: str, error: type[Exception] = RuntimeError) -> s
     start = time.monotonic()
     with pytest.raises(error, match=match) as info:
         MultiprocExecutor(config)
-    assert time.monotonic() - start < scaled(60)
+    assert time.monotonic() - start < failed_start_limit()
     return str(info.value)
 
 
