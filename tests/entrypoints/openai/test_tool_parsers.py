@@ -180,3 +180,56 @@ def test_streamed_content_goes_out_before_the_reply_ends(tokenizer, parser, repl
 def test_auto_without_a_parser_is_refused_before_the_engine(tokenizer):
     response = scripted_chat(tokenizer, ServingOptions(), "unused", False, tools=TOOLS)
     assert response.status_code == 400 and "--tool-call-parser" in response.text
+
+
+HERMES_REPLY = f"Let me check. <tool_call>\n{HERMES_CALL}\n</tool_call>"
+
+
+def _finish_reasons(response) -> list[str]:
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(event) for event in events[:-1]]
+    return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+
+
+def test_hermes_calls_stream_as_they_are_written(tokenizer):
+    options = ServingOptions(tool_call_parser="hermes")
+    reply = HERMES_REPLY + '\n<tool_call>{"name": "now"}</tool_call>'
+    response = scripted_chat(tokenizer, options, reply, True, tools=TOOLS)
+    deltas = stream_deltas(response)
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    heads = [(c["index"], c["type"], c["function"]["name"]) for c in calls if c.get("id")]
+    assert heads == [(0, "function", "weather"), (1, "function", "now")]
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    for call in calls:
+        if call["function"].get("arguments"):
+            pieces[call["index"]].append(call["function"]["arguments"])
+    # Token by token: the first call's arguments went out in pieces, as the model wrote them,
+    # and a call written without arguments has `{}`, as the whole reply's parse reads it.
+    assert len(pieces[0]) > 1 and "".join(pieces[0]) == json.dumps(WEATHER)
+    assert pieces[1] == ["{}"]
+    assert [r for r in _finish_reasons(response) if r] == ["tool_calls"]
+    whole = scripted_chat(tokenizer, options, reply, False, tools=TOOLS).json()["choices"][0]
+    assert whole["message"]["content"] == "Let me check."
+    parsed = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]
+    ]
+    assert [(name, json.loads(args)) for name, args in parsed] == [
+        ("weather", WEATHER),
+        ("now", {}),
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hermes_tag_without_a_call_stays_content(tokenizer, stream):
+    options = ServingOptions(tool_call_parser="hermes")
+    reply = "Sure. <tool_call>{oops</tool_call>"
+    response = scripted_chat(tokenizer, options, reply, stream, tools=TOOLS)
+    if stream:
+        deltas = stream_deltas(response)
+        assert "".join(d.get("content") or "" for d in deltas) == reply
+        assert not any(d.get("tool_calls") for d in deltas)
+        assert [r for r in _finish_reasons(response) if r] == ["stop"]
+    else:
+        choice = response.json()["choices"][0]
+        assert choice["message"]["content"] == reply and not choice["message"]["tool_calls"]

@@ -31,18 +31,21 @@ class _Element:
     name: str | None = None
     key: str | None = None  # the key whose value is being read
     reading_key: bool = True  # the next string at the object's depth is a key
-    args_start: int | None = None  # where `parameters`' value starts in the text
+    args_start: int | None = None  # where the arguments' value starts in the text
     args_end: int | None = None  # where it ends, once it has
-    waiting_for_args: bool = False  # after `"parameters":`, before its value
+    waiting_for_args: bool = False  # after the arguments' key and its colon, before the value
     call: ForcedCall | None = None
 
 
 @dataclass
 class ForcedCallReader:
     """`feed` the text as it grows; it returns each call's new pieces: `(call index, the call
-    when it is new, the arguments written since)`. `calls` holds the calls so far."""
+    when it is new, the arguments written since)`. `calls` holds the calls so far.
+    `argument_keys`: the keys an array item's arguments may be under (hermes writes
+    `"arguments"`; see tool_parsers.HermesCallReader)."""
 
     named: str | None  # the named function, or None for "required"
+    argument_keys: tuple[str, ...] = ("parameters",)
     calls: list[ForcedCall] = field(default_factory=list)
     _text: str = ""
     _depth: int = 0
@@ -97,7 +100,7 @@ class ForcedCallReader:
                 self._element = _Element()
         elif char in _CLOSERS:
             self._depth -= 1
-            if element is not None and element.key == "parameters" and element.args_end is None:
+            if element is not None and self._in_arguments(element):
                 # Parameters' object closes (back at the element's depth), or the element
                 # closes right after a value that is not an object.
                 if self._depth == 2:
@@ -110,11 +113,14 @@ class ForcedCallReader:
     def _at_object_depth(self, element: _Element, char: str, index: int) -> None:
         if char == ":":
             element.reading_key = False
-            element.waiting_for_args = element.key == "parameters"
+            element.waiting_for_args = element.key in self.argument_keys
         elif char == ",":
-            if element.key == "parameters" and element.args_end is None:
+            if self._in_arguments(element):
                 element.args_end = index  # a value that is not an object ends here
             element.reading_key, element.key = True, None
+
+    def _in_arguments(self, element: _Element) -> bool:
+        return element.key in self.argument_keys and element.args_end is None
 
     def _end_string(self, index: int) -> None:
         element = self._element

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
-from v1engine.entrypoints.openai.forced_calls import ForcedCallReader, new_call_id
+from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader, new_call_id
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
 from v1engine.entrypoints.openai.protocol_structured import (
     ChatTool,
@@ -26,7 +26,11 @@ from v1engine.entrypoints.openai.protocol_structured import (
 )
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import Constraint
-from v1engine.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, content_end
+from v1engine.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    HermesCallReader,
+    content_end,
+)
 
 # vLLM's answer to "auto" when the server runs without a parser.
 AUTO_NEEDS_PARSER = (
@@ -118,10 +122,11 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
 class ToolCallStream:
     """One choice's reply streamed under a tool mode: `feed` returns the content that may go out
     now and the tool-call deltas. With a parser: the content that is surely not a call (see
-    `tool_parsers.content_end`), and once the reply ends, its calls parsed from the whole text
-    (or the rest as content: it held none). Forced calls: each call's head as soon as its name
-    is written, then its arguments as they come (`forced_calls.py`); a reply that named no call
-    ends as content."""
+    `tool_parsers.content_end`); hermes calls as they are written (`HermesCallReader`), the other
+    parsers' once the reply ends, parsed from the whole text (or the rest as content: it held
+    none). Forced calls: each call's head as soon as its name is written, then its arguments as
+    they come (`forced_calls.py`). A reply that named no call ends as content; a call already
+    streamed stays sent even if the rest of the reply turns out malformed."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -129,35 +134,58 @@ class ToolCallStream:
         self.num_sent = 0  # text[:num_sent] went out as content
         self.calls: list[ToolCall] = []
         self._reader = None if mode.parser is not None else ForcedCallReader(mode.named)
+        self._hermes = HermesCallReader() if mode.parser == "hermes" else None
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
         if self._reader is not None:
             return self._feed_forced(delta, finished)
         end = content_end(self.mode.parser, self.text)
-        deltas = []
-        if finished:
+        if self._hermes is not None:
+            deltas = _piece_deltas(self._hermes.feed(delta))
+            if finished:
+                deltas += self._end_hermes_calls()
+        elif finished:
             parsed = parse_tool_calls(self.mode, self.text)
-            if parsed is None:
-                end = len(self.text)
-            else:
-                self.calls = parsed[1]
-                deltas = tool_call_deltas(self.calls)
+            self.calls = [] if parsed is None else parsed[1]
+            deltas = tool_call_deltas(self.calls)
+        else:
+            deltas = []
+        if finished and not self.calls:
+            end = len(self.text)  # the reply held no call: it is all content
         content = self.text[self.num_sent : end]
         self.num_sent = max(self.num_sent, end)
         return content, deltas
 
-    def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+    def _end_hermes_calls(self) -> list[DeltaToolCall]:
+        """The calls streamed, once the reply ends; a call written without arguments gets
+        `{}`, as the whole reply's parse reads it."""
+        reader = self._hermes.reader
         deltas = []
-        for index, new, arguments in self._reader.feed(delta):
-            head = None if new is None else (new.id, new.name)
-            deltas += _call_deltas(index, head, arguments)
+        for index, call in enumerate(reader.calls):
+            if not call.arguments:
+                call.arguments = "{}"
+                deltas += _call_deltas(index, None, call.arguments)
+        self.calls = _tool_calls(reader)
+        return deltas
+
+    def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        deltas = _piece_deltas(self._reader.feed(delta))
         if not finished:
             return "", deltas
         self.calls = _tool_calls(self._reader)
         if not self.calls:
             return self.text, []  # no call was named: the reply is content
         return "", deltas
+
+
+def _piece_deltas(pieces: list[tuple[int, ForcedCall | None, str]]) -> list[DeltaToolCall]:
+    """The deltas of a call reader's pieces (`ForcedCallReader.feed`)."""
+    deltas = []
+    for index, new, arguments in pieces:
+        head = None if new is None else (new.id, new.name)
+        deltas += _call_deltas(index, head, arguments)
+    return deltas
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:

@@ -12,6 +12,9 @@ no calls where the text does not hold well-formed ones (it then stays content, a
   keyword arguments, `[get_weather(city="Paris", days=3), get_time()]`, perhaps between
   `<|python_start|>` and `<|python_end|>`; no content. It is read with `ast` (literals only:
   nothing in it runs).
+
+A stream reads hermes calls while they are written (`HermesCallReader`); the other parsers' calls
+are read once the reply ends. `content_end` says how much of a reply may stream as content.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from v1engine.engine.detokenizer import partial_stop_len
+from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader
 
 Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -136,6 +140,46 @@ def content_end(parser: str, text: str) -> int:
     if not stripped or any(s.startswith(stripped) or stripped.startswith(s) for s in starts):
         return 0  # undecided, or perhaps calls: held until the reply ends
     return len(text)
+
+
+class HermesCallReader:
+    """Hermes calls read while the reply grows, so a stream sends each call's id and name as soon
+    as the name is written and its arguments as they come (as vLLM streams them). The bodies of
+    the `<tool_call>` tags are fed to a ForcedCallReader as the items of its array: `[`, then
+    each body (less a closing tag that may be only partly written), `,` between bodies. A call's
+    arguments are its `"arguments"` exactly as written."""
+
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.reader = ForcedCallReader(None, argument_keys=("arguments",))
+        self._text = ""
+        self._read = 0  # text[:_read] is consumed
+        self._in_call = False
+        self._num_opened = 0
+
+    def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
+        self._text += delta
+        array_text = ""
+        while True:
+            if not self._in_call:
+                start = self._text.find(self._OPEN, self._read)
+                if start < 0:
+                    break  # text between calls is not read
+                array_text += "," if self._num_opened else "["
+                self._num_opened += 1
+                self._in_call, self._read = True, start + len(self._OPEN)
+                continue
+            end = self._text.find(self._CLOSE, self._read)
+            if end < 0:
+                body = self._text[self._read :]
+                hold = partial_stop_len(body, [self._CLOSE])
+                array_text += body[: len(body) - hold]
+                self._read = len(self._text) - hold
+                break
+            array_text += self._text[self._read : end]
+            self._in_call, self._read = False, end + len(self._CLOSE)
+        return self.reader.feed(array_text)
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
