@@ -183,6 +183,7 @@ def test_auto_without_a_parser_is_refused_before_the_engine(tokenizer):
 
 
 HERMES_REPLY = f"Let me check. <tool_call>\n{HERMES_CALL}\n</tool_call>"
+LLAMA3_CALL = json.dumps({"name": "weather", "parameters": WEATHER})
 
 
 def _finish_reasons(response) -> list[str]:
@@ -191,12 +192,22 @@ def _finish_reasons(response) -> list[str]:
     return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
 
 
-def test_hermes_calls_stream_as_they_are_written(tokenizer):
-    options = ServingOptions(tool_call_parser="hermes")
-    reply = HERMES_REPLY + '\n<tool_call>{"name": "now"}</tool_call>'
+@pytest.mark.parametrize(
+    "parser, reply, content",
+    [
+        ("hermes", HERMES_REPLY + '\n<tool_call>{"name": "now"}</tool_call>', "Let me check."),
+        (
+            "llama3_json",
+            "<|python_tag|>" + LLAMA3_CALL + '; {"name": "now"}',
+            "",
+        ),
+    ],
+)
+def test_calls_stream_as_they_are_written(tokenizer, parser, reply, content):
+    options = ServingOptions(tool_call_parser=parser)
     response = scripted_chat(tokenizer, options, reply, True, tools=TOOLS)
     deltas = stream_deltas(response)
-    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    assert "".join(d.get("content") or "" for d in deltas) == content
     calls = [c for d in deltas for c in d.get("tool_calls") or []]
     heads = [(c["index"], c["type"], c["function"]["name"]) for c in calls if c.get("id")]
     assert heads == [(0, "function", "weather"), (1, "function", "now")]
@@ -210,7 +221,7 @@ def test_hermes_calls_stream_as_they_are_written(tokenizer):
     assert pieces[1] == ["{}"]
     assert [r for r in _finish_reasons(response) if r] == ["tool_calls"]
     whole = scripted_chat(tokenizer, options, reply, False, tools=TOOLS).json()["choices"][0]
-    assert whole["message"]["content"] == "Let me check."
+    assert whole["message"]["content"] == (content or None)
     parsed = [
         (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]
     ]

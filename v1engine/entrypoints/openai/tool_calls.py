@@ -11,6 +11,7 @@ in the text.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from v1engine.entrypoints.openai.structured import Constraint
 from v1engine.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
     HermesCallReader,
+    Llama3JsonCallReader,
     content_end,
 )
 
@@ -122,11 +124,12 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
 class ToolCallStream:
     """One choice's reply streamed under a tool mode: `feed` returns the content that may go out
     now and the tool-call deltas. With a parser: the content that is surely not a call (see
-    `tool_parsers.content_end`); hermes calls as they are written (`HermesCallReader`), the other
-    parsers' once the reply ends, parsed from the whole text (or the rest as content: it held
-    none). Forced calls: each call's head as soon as its name is written, then its arguments as
-    they come (`forced_calls.py`). A reply that named no call ends as content; a call already
-    streamed stays sent even if the rest of the reply turns out malformed."""
+    `tool_parsers.content_end`); hermes and llama3_json calls as they are written
+    (`_STREAMED_READERS`), pythonic ones once the reply ends, parsed from the whole text (or the
+    rest as content: it held none). Forced calls: each call's head as soon as its name is
+    written, then its arguments as they come (`forced_calls.py`). A reply that named no call
+    ends as content; a call already streamed stays sent even if the rest of the reply turns out
+    malformed."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -134,17 +137,17 @@ class ToolCallStream:
         self.num_sent = 0  # text[:num_sent] went out as content
         self.calls: list[ToolCall] = []
         self._reader = None if mode.parser is not None else ForcedCallReader(mode.named)
-        self._hermes = HermesCallReader() if mode.parser == "hermes" else None
+        self._streamed = _STREAMED_READERS.get(mode.parser, lambda: None)()
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
         if self._reader is not None:
             return self._feed_forced(delta, finished)
         end = content_end(self.mode.parser, self.text)
-        if self._hermes is not None:
-            deltas = _piece_deltas(self._hermes.feed(delta))
+        if self._streamed is not None:
+            deltas = _piece_deltas(self._streamed.feed(delta))
             if finished:
-                deltas += self._end_hermes_calls()
+                deltas += self._end_streamed_calls()
         elif finished:
             parsed = parse_tool_calls(self.mode, self.text)
             self.calls = [] if parsed is None else parsed[1]
@@ -157,10 +160,10 @@ class ToolCallStream:
         self.num_sent = max(self.num_sent, end)
         return content, deltas
 
-    def _end_hermes_calls(self) -> list[DeltaToolCall]:
+    def _end_streamed_calls(self) -> list[DeltaToolCall]:
         """The calls streamed, once the reply ends; a call written without arguments gets
         `{}`, as the whole reply's parse reads it."""
-        reader = self._hermes.reader
+        reader = self._streamed.reader
         deltas = []
         for index, call in enumerate(reader.calls):
             if not call.arguments:
@@ -177,6 +180,13 @@ class ToolCallStream:
         if not self.calls:
             return self.text, []  # no call was named: the reply is content
         return "", deltas
+
+
+# The parsers whose calls stream as they are written, and their readers.
+_STREAMED_READERS: dict[str, Callable[[], HermesCallReader | Llama3JsonCallReader]] = {
+    "hermes": HermesCallReader,
+    "llama3_json": Llama3JsonCallReader,
+}
 
 
 def _piece_deltas(pieces: list[tuple[int, ForcedCall | None, str]]) -> list[DeltaToolCall]:

@@ -13,8 +13,9 @@ no calls where the text does not hold well-formed ones (it then stays content, a
   `<|python_start|>` and `<|python_end|>`; no content. It is read with `ast` (literals only:
   nothing in it runs).
 
-A stream reads hermes calls while they are written (`HermesCallReader`); the other parsers' calls
-are read once the reply ends. `content_end` says how much of a reply may stream as content.
+A stream reads hermes and llama3_json calls while they are written (`HermesCallReader`,
+`Llama3JsonCallReader`); pythonic ones once the reply ends. `content_end` says how much of a reply
+may stream as content.
 """
 
 from __future__ import annotations
@@ -180,6 +181,33 @@ class HermesCallReader:
             array_text += self._text[self._read : end]
             self._in_call, self._read = False, end + len(self._CLOSE)
         return self.reader.feed(array_text)
+
+
+class Llama3JsonCallReader:
+    """llama3_json calls read while the reply grows: a reply that starts with `{` (after
+    `<|python_tag|>`, if any) is fed to a ForcedCallReader as the items of its array (it skips
+    the `;` between them). Until the reply's start decides, nothing is read; a reply that starts
+    otherwise is content and holds no calls."""
+
+    _TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.reader = ForcedCallReader(None, argument_keys=("parameters", "arguments"))
+        self._text = ""
+        self._reading: bool | None = None  # None until the reply's start decides
+
+    def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
+        if self._reading is not None:
+            return self.reader.feed(delta) if self._reading else []
+        self._text += delta
+        body = self._text.lstrip()
+        if not body or (self._TAG.startswith(body) and body != self._TAG):
+            return []  # undecided
+        body = body.removeprefix(self._TAG).lstrip()
+        if not body:
+            return []
+        self._reading = body.startswith("{")
+        return self.reader.feed("[" + body) if self._reading else []
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
