@@ -276,14 +276,33 @@ def test_bad_tool_choices_are_400s(client) -> None:
     assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="needs tools"):
         chat(client, tool_choice="required")
-    with pytest.raises(openai.BadRequestError, match="not streamed with tools") as info:
-        chat(client, tools=TOOLS, tool_choice="required", stream=True, logprobs=True)
-    assert info.value.body["param"] == "logprobs"
 
 
 HERMES_CALL = (
     r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
 )
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_streamed_tool_calls_carry_every_tokens_logprobs_once(client, tool_choice) -> None:
+    """As plain text does: each token's logprob goes with the chunk of the step that made it,
+    or, where that step sent nothing (a call not yet named), the choice's next chunk."""
+    kwargs = dict(tools=TOOLS, tool_choice=tool_choice, logprobs=True, top_logprobs=2)
+    if tool_choice == "auto":
+        kwargs["extra_body"] = {"guided_regex": HERMES_CALL}
+    whole = chat(client, **kwargs).choices[0]
+    expected = [(t.token, t.logprob) for t in whole.logprobs.content]
+    streamed, num_tool_chunks = [], 0
+    for chunk in chat(client, stream=True, stream_options={"include_usage": True}, **kwargs):
+        for choice in chunk.choices:
+            num_tool_chunks += bool(choice.delta.tool_calls)
+            for token in choice.logprobs.content if choice.logprobs else []:
+                assert len(token.top_logprobs) == 2
+                streamed.append((token.token, token.logprob))
+        if chunk.usage is not None:
+            assert len(streamed) == chunk.usage.completion_tokens
+    assert num_tool_chunks > 1 and [t for t, _ in streamed] == [t for t, _ in expected]
+    assert [lp for _, lp in streamed] == pytest.approx([lp for _, lp in expected], abs=1e-3)
 
 
 @pytest.mark.parametrize("stream", [False, True])

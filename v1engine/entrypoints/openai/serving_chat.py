@@ -52,10 +52,12 @@ from v1engine.entrypoints.openai.serving_outputs import (
 from v1engine.entrypoints.openai.tool_calls import (
     ToolCallStream,
     ToolMode,
+    calls_finish_reason,
     decoded_tool_call,
     parse_tool_calls,
     template_tools,
     tool_mode,
+    tool_stream_choices,
 )
 from v1engine.outputs import CompletionOutput, Logprob
 from v1engine.structured_outputs.params import StructuredOutputsParams
@@ -105,12 +107,6 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
         mode = tool_mode(request, self.options) if request.tools or request.tool_choice else None
-        if mode is not None and request.stream and request.logprobs:
-            # Tool-call deltas carry no logprobs: their tokens' logprobs would be lost.
-            raise APIError(
-                "logprobs are not streamed with tools; send stream=false to get them",
-                param="logprobs",
-            )
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         constraint, opened = self._plan_reasoning(prompt, constraint)
@@ -178,16 +174,14 @@ class OpenAIServingChat(OpenAIServing):
         tally = StreamTally()
         tool_streams: dict[int, ToolCallStream] = {}
         streams: dict[int, ReasoningStream] = {}
-        pending_ids: dict[int, list[int]] = {}  # with return_token_ids: tokens not yet sent
+        held = _HeldTokens(request, with_logprobs=mode is not None)
         roles_sent = False
         async for completions in stream_steps(run.runs[0][1], tally):
             if not roles_sent:
                 roles_sent = True
                 for chunk in self._role_chunks(run, tally):
                     yield chunk
-            if request.return_token_ids:
-                for completion in completions:
-                    pending_ids.setdefault(completion.index, []).extend(completion.token_ids)
+            held.add(completions)
             reasoning: dict[int, str] = {}
             if opened is not None:
                 completions, reasoning = split_deltas(completions, streams, opened)
@@ -197,12 +191,9 @@ class OpenAIServingChat(OpenAIServing):
                 choices = [_stream_choice(c, request, reasoning.get(c.index)) for c in completions]
             else:
                 choices = [_thinking_choice(i, text) for i, text in reasoning.items() if text]
-                choices += _tool_stream_choices(completions, mode, tool_streams)
+                choices += tool_stream_choices(completions, mode, tool_streams)
             for choice in choices:  # one choice per chunk, as OpenAI and vLLM send them
-                # A step's tokens go with its choice's first chunk (or, if it sent none, the
-                # next one: a tool call's tokens may be held back until it ends).
-                if pending_ids.get(choice.index):
-                    choice.token_ids = pending_ids.pop(choice.index)
+                held.attach(choice)
                 usage = choice_usage(tally, choice.index, request.continuous_usage)
                 yield ChatCompletionChunk(id=request_id, model=model, choices=[choice], usage=usage)
         if request.include_usage and tally.last is not None:
@@ -244,7 +235,7 @@ def _choice(
     if parsed is None:
         content, calls, finish_reason = text, [], output.finish_reason
     else:
-        (content, calls), finish_reason = parsed, _calls_finish_reason(output)
+        (content, calls), finish_reason = parsed, calls_finish_reason(output)
     if reasoning is not None and not content:
         content = None  # as vLLM: a reply that only thought has no content
     if not request.include_reasoning:
@@ -260,41 +251,34 @@ def _choice(
     )
 
 
+@dataclasses.dataclass
+class _HeldTokens:
+    """A stream's token ids (with return_token_ids) and, under a tool mode, its logprobs, held
+    until their choice's next chunk: each step's go with the first chunk it sends for the choice,
+    or, if it sends none (a tool call held back until it ends), the next one."""
+
+    request: ChatCompletionRequest
+    with_logprobs: bool  # without tools, a chunk's logprobs are its own step's (_stream_choice)
+    ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[ChatTokenLogprob]] = dataclasses.field(default_factory=dict)
+
+    def add(self, completions: list[CompletionOutput]) -> None:
+        for completion in completions:
+            if self.request.return_token_ids:
+                self.ids.setdefault(completion.index, []).extend(completion.token_ids)
+            logprobs = _chat_logprobs(completion, self.request) if self.with_logprobs else None
+            if logprobs is not None:
+                self.logprobs.setdefault(completion.index, []).extend(logprobs.content)
+
+    def attach(self, choice: ChatStreamChoice) -> None:
+        if self.ids.get(choice.index):
+            choice.token_ids = self.ids.pop(choice.index)
+        if self.logprobs.get(choice.index):
+            choice.logprobs = ChatLogprobs(content=self.logprobs.pop(choice.index))
+
+
 def _thinking_choice(index: int, reasoning: str) -> ChatStreamChoice:
     return ChatStreamChoice(index=index, delta=ChatDelta(reasoning=reasoning))
-
-
-def _tool_stream_choices(
-    completions: list[CompletionOutput], mode: ToolMode, streams: dict[int, ToolCallStream]
-) -> list[ChatStreamChoice]:
-    """Per choice: its content as soon as it is surely not a call and its tool-call deltas as
-    they come (`ToolCallStream`), then its finish. Each goes in its own chunk."""
-    choices = []
-    for output in completions:
-        index = output.index
-        stream = streams.setdefault(index, ToolCallStream(mode))
-        finished = output.finish_reason is not None
-        content, call_deltas = stream.feed(output.text, finished)
-        if content:
-            choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
-        choices.extend(
-            ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
-            for call_delta in call_deltas
-        )
-        if not finished:
-            continue
-        reason = _calls_finish_reason(output) if stream.calls else output.finish_reason
-        finish = ChatStreamChoice(
-            index=index, delta=ChatDelta(), finish_reason=reason, stop_reason=output.stop_reason
-        )
-        choices.append(finish)
-    return choices
-
-
-def _calls_finish_reason(output: CompletionOutput) -> str:
-    """A reply with tool calls ends with "tool_calls", or "length" where max_tokens cut it (its
-    last call's arguments are then incomplete), as OpenAI says."""
-    return "length" if output.finish_reason == "length" else "tool_calls"
 
 
 def render_messages(

@@ -17,7 +17,7 @@ from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader, new_call_id
-from v1engine.entrypoints.openai.protocol import ChatCompletionRequest
+from v1engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatDelta, ChatStreamChoice
 from v1engine.entrypoints.openai.protocol_structured import (
     ChatTool,
     DeltaFunctionCall,
@@ -33,6 +33,7 @@ from v1engine.entrypoints.openai.tool_parsers import (
     Llama3JsonCallReader,
     content_end,
 )
+from v1engine.outputs import CompletionOutput
 
 # vLLM's answer to "auto" when the server runs without a parser.
 AUTO_NEEDS_PARSER = (
@@ -196,6 +197,39 @@ def _piece_deltas(pieces: list[tuple[int, ForcedCall | None, str]]) -> list[Delt
         head = None if new is None else (new.id, new.name)
         deltas += _call_deltas(index, head, arguments)
     return deltas
+
+
+def tool_stream_choices(
+    completions: list[CompletionOutput], mode: ToolMode, streams: dict[int, ToolCallStream]
+) -> list[ChatStreamChoice]:
+    """Per choice: its content as soon as it is surely not a call and its tool-call deltas as
+    they come (`ToolCallStream`), then its finish. Each goes in its own chunk."""
+    choices = []
+    for output in completions:
+        index = output.index
+        stream = streams.setdefault(index, ToolCallStream(mode))
+        finished = output.finish_reason is not None
+        content, call_deltas = stream.feed(output.text, finished)
+        if content:
+            choices.append(ChatStreamChoice(index=index, delta=ChatDelta(content=content)))
+        choices.extend(
+            ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=[call_delta]))
+            for call_delta in call_deltas
+        )
+        if not finished:
+            continue
+        reason = calls_finish_reason(output) if stream.calls else output.finish_reason
+        finish = ChatStreamChoice(
+            index=index, delta=ChatDelta(), finish_reason=reason, stop_reason=output.stop_reason
+        )
+        choices.append(finish)
+    return choices
+
+
+def calls_finish_reason(output: CompletionOutput) -> str:
+    """A reply with tool calls ends with "tool_calls", or "length" where max_tokens cut it (its
+    last call's arguments are then incomplete), as OpenAI says."""
+    return "length" if output.finish_reason == "length" else "tool_calls"
 
 
 def tool_call_deltas(calls: list[ToolCall]) -> list[DeltaToolCall]:
