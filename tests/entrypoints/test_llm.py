@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
 import shutil
 
 import pytest
+from tqdm import tqdm
 
 from tests.entrypoints.llm_utils import (
     GREEDY,
@@ -204,6 +206,20 @@ def test_n_greater_than_one_returns_n_completions(llm_tp1):
     (output,) = llm_tp1.generate([PROMPTS[0]], params, use_tqdm=False)
     assert [c.index for c in output.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 5 for c in output.outputs)
+
+
+def test_use_tqdm_may_be_the_callable_that_makes_the_bar(llm_tp1, hf_model):
+    """As vLLM's: e.g. `functools.partial(tqdm, leave=False)`, called with total and desc."""
+    bars = []
+
+    def make_bar(**kwargs):
+        bars.append((kwargs, tqdm(file=io.StringIO(), **kwargs)))
+        return bars[-1][1]
+
+    got = token_ids(llm_tp1.generate(PROMPTS, GREEDY, use_tqdm=make_bar))
+    assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
+    ((kwargs, bar),) = bars
+    assert kwargs == {"total": len(PROMPTS), "desc": "Generating"} and bar.n == len(PROMPTS)
 
 
 def _num_kv_heads(worker) -> int:

@@ -42,6 +42,16 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# vLLM's `use_tqdm`: show a progress bar or not, or a callable that makes it (e.g.
+# `functools.partial(tqdm, leave=False)`), called with `total` and `desc`.
+UseTqdm = bool | Callable[..., tqdm]
+
+
+def progress_bar(use_tqdm: UseTqdm, total: int, desc: str) -> tqdm:
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc)
+    return tqdm(total=total, desc=desc, disable=not use_tqdm)
+
 
 class LLM:
     """Args:
@@ -79,7 +89,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -117,7 +127,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         chat_template: str | None = None,
@@ -151,7 +161,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
-        use_tqdm: bool = False,
+        use_tqdm: UseTqdm = False,
         concurrency_limit: int | None = None,
         lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
@@ -177,7 +187,7 @@ class LLM:
         batches = [searches[i : i + limit] for i in range(0, len(searches), limit)]
         one_step = step_params(params)
         total = params.max_tokens * len(batches)
-        with tqdm(total=total, desc="Beam search", disable=not use_tqdm) as bar:
+        with progress_bar(use_tqdm, total, "Beam search") as bar:
             for batch in batches:
                 while live := [search for search in batch if not search.done]:
                     beams = [{"prompt_token_ids": tokens} for s in live for tokens in s.prompts()]
@@ -196,7 +206,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[EmbeddingRequestOutput]:
         """Embeds every prompt (`outputs.embedding`: the last token's final hidden state, cut
         and L2-normalized as `pooling_params` say); needs `runner="pooling"`.
@@ -214,7 +224,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[ClassificationRequestOutput]:
         """Classifies every prompt with a sequence classifier (a `*ForSequenceClassification`
         checkpoint, which pools): `outputs.probs` holds one score per class, the model's
@@ -232,7 +242,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None,
         truncate_prompt_tokens: int | None,
-        use_tqdm: bool,
+        use_tqdm: UseTqdm,
         task: str,
     ) -> list[Any]:
         prompts = _as_prompt_list(prompts)
@@ -263,7 +273,7 @@ class LLM:
         data_2: str | Sequence[str],
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[ScoringRequestOutput]:
         """Scores text pairs (one against one, one against N, or N against N) as vLLM does:
         with an embedding model `outputs.score` is the cosine similarity of the two texts'
@@ -308,7 +318,7 @@ class LLM:
 
     # -- steps ---------------------------------------------------------------------------------
     def _run(
-        self, num_prompts: int, add: Callable[[str, int], None], use_tqdm: bool, desc: str
+        self, num_prompts: int, add: Callable[[str, int], None], use_tqdm: UseTqdm, desc: str
     ) -> list[Any]:
         """Adds each prompt as a request (`add(request_id, prompt_index)`), runs the engine
         until all finish and returns their final outputs in prompt order. A bad prompt, or an
@@ -325,10 +335,10 @@ class LLM:
             raise
         return [outputs[request_id] for request_id in request_ids]
 
-    def _run_engine(self, num_requests: int, use_tqdm: bool, desc: str) -> dict[str, Any]:
+    def _run_engine(self, num_requests: int, use_tqdm: UseTqdm, desc: str) -> dict[str, Any]:
         """Each request's final output (a RequestOutput, or a PoolingRequestOutput), by id."""
         finished: dict[str, Any] = {}
-        with tqdm(total=num_requests, desc=desc, disable=not use_tqdm) as bar:
+        with progress_bar(use_tqdm, num_requests, desc) as bar:
             while self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished:
