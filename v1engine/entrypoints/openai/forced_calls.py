@@ -101,7 +101,7 @@ class ForcedCallReader:
         elif char in _CLOSERS:
             self._depth -= 1
             if element is not None and self._in_arguments(element):
-                # Parameters' object closes (back at the element's depth), or the element
+                # The arguments' object closes (back at the element's depth), or the element
                 # closes right after a value that is not an object.
                 if self._depth == 2:
                     element.args_end = index + 1
