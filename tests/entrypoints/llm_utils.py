@@ -25,6 +25,31 @@ def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int
     return out
 
 
+# 14 usable blocks of 4 tokens cannot hold the five PROMPTS at once, so the scheduler must preempt
+# and recompute; a 16-token budget chunks the 37-token prompt.
+PREEMPTING = dict(
+    block_size=4, num_gpu_blocks_override=15, max_model_len=56, max_num_batched_tokens=16
+)
+SEEDED = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+
+
+def preempted_greedy(llm: LLM) -> list[list[int]]:
+    """PROMPTS' greedy tokens on an engine made with PREEMPTING, checking that it preempted and
+    freed every block."""
+    got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert llm.engine_core.scheduler.make_stats().num_preemptions > 0
+    assert all_blocks_free(llm)
+    return got
+
+
+def seeded_alone_and_in_batch(llm: LLM) -> tuple[list[int], list[int]]:
+    """PROMPTS[0]'s SEEDED tokens alone, and in a batch of other seeded requests."""
+    other = SamplingParams(max_tokens=7, temperature=0.8, seed=7, ignore_eos=True)
+    alone = token_ids(llm.generate([PROMPTS[0]], SEEDED, use_tqdm=False))[0]
+    batch = llm.generate(PROMPTS[2:] + [PROMPTS[0]], [other] * 3 + [SEEDED], use_tqdm=False)
+    return alone, token_ids(batch)[-1]
+
+
 def make_llm(checkpoint: str, **kwargs) -> LLM:
     args = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 22)
     args.update(kwargs)

@@ -13,10 +13,14 @@ from tqdm import tqdm
 
 from tests.entrypoints.llm_utils import (
     GREEDY,
+    PREEMPTING,
     PROMPTS,
+    SEEDED,
     all_blocks_free,
     hf_greedy,
     make_llm,
+    preempted_greedy,
+    seeded_alone_and_in_batch,
     token_ids,
 )
 from tests.model.checkpoints import give_own_config_class, load_hf_model, make_checkpoint
@@ -100,20 +104,8 @@ def test_priority_needs_its_policy_and_never_changes_the_tokens(llm_tp1, llama_c
 
 
 def test_preemption_and_chunked_prefill_keep_tokens_exact(llama_checkpoint, hf_model):
-    # 14 usable blocks of 4 tokens cannot hold five requests at once, so the scheduler must
-    # preempt and recompute; a 16-token budget chunks the 37-token prompt.
-    with make_llm(
-        llama_checkpoint,
-        tensor_parallel_size=2,
-        block_size=4,
-        num_gpu_blocks_override=15,
-        max_model_len=56,
-        max_num_batched_tokens=16,
-    ) as llm:
-        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-        stats = llm.engine_core.scheduler.make_stats()
-        assert stats.num_preemptions > 0
-        assert all_blocks_free(llm)
+    with make_llm(llama_checkpoint, tensor_parallel_size=2, **PREEMPTING) as llm:
+        got = preempted_greedy(llm)
     assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
 
 
@@ -132,13 +124,8 @@ def test_prefix_cache_computes_only_new_tokens(llm_tp1, hf_model):
 
 
 def test_seeded_sampling_is_reproducible_across_batches_and_tp(llm_tp1, llm_tp2):
-    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    other = SamplingParams(max_tokens=7, temperature=0.8, seed=7, ignore_eos=True)
-    alone = token_ids(llm_tp1.generate([PROMPTS[0]], seeded, use_tqdm=False))[0]
-    in_batch = token_ids(
-        llm_tp1.generate(PROMPTS[2:] + [PROMPTS[0]], [other] * 3 + [seeded], use_tqdm=False)
-    )[-1]
-    on_tp2 = token_ids(llm_tp2.generate([PROMPTS[1], PROMPTS[0]], seeded, use_tqdm=False))[1]
+    alone, in_batch = seeded_alone_and_in_batch(llm_tp1)
+    on_tp2 = token_ids(llm_tp2.generate([PROMPTS[1], PROMPTS[0]], SEEDED, use_tqdm=False))[1]
     assert alone == in_batch == on_tp2
 
 

@@ -14,10 +14,14 @@ import torch
 
 from tests.entrypoints.llm_utils import (
     GREEDY,
+    PREEMPTING,
     PROMPTS,
+    SEEDED,
     all_blocks_free,
     hf_greedy,
     make_llm,
+    preempted_greedy,
+    seeded_alone_and_in_batch,
     token_ids,
 )
 from tests.entrypoints.openai.server_utils import make_tiny_checkpoint
@@ -64,17 +68,8 @@ def test_greedy_tokens_equal_transformers_with_and_without_cuda_graphs(
 
 
 def test_preemption_and_chunked_prefill_keep_tokens_exact(llama_checkpoint, hf_cuda):
-    with make_llm(
-        llama_checkpoint,
-        block_size=4,
-        num_gpu_blocks_override=15,
-        max_model_len=56,
-        max_num_batched_tokens=16,
-        **CUDA,
-    ) as llm:
-        got = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-        assert llm.engine_core.scheduler.make_stats().num_preemptions > 0
-        assert all_blocks_free(llm)
+    with make_llm(llama_checkpoint, **PREEMPTING, **CUDA) as llm:
+        got = preempted_greedy(llm)
     assert got == hf_greedy(hf_cuda, PROMPTS, GREEDY.max_tokens)
 
 
@@ -102,13 +97,8 @@ def test_prompt_and_sample_logprobs_equal_transformers(llm_cuda, hf_cuda):
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm_cuda):
-    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    other = SamplingParams(max_tokens=7, temperature=0.8, seed=7, ignore_eos=True)
-    alone = token_ids(llm_cuda.generate([PROMPTS[0]], seeded, use_tqdm=False))[0]
-    in_batch = token_ids(
-        llm_cuda.generate(PROMPTS[2:] + [PROMPTS[0]], [other] * 3 + [seeded], use_tqdm=False)
-    )[-1]
-    assert alone == in_batch and len(alone) == 10
+    alone, in_batch = seeded_alone_and_in_batch(llm_cuda)
+    assert alone == in_batch and len(alone) == SEEDED.max_tokens
 
 
 def test_bfloat16_greedy_follows_float32(llama_checkpoint, llm_cuda):
