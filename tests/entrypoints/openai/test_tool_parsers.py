@@ -2,7 +2,7 @@
 as content (never running anything), and the chat endpoint's `tool_calls`, whole and streamed,
 over a fake engine replaying such replies token by token (the hermes parser runs on a real server
 in test_serve_structured.py); and, for every parser, that a stream sends content as it comes, up
-to where a call may begin."""
+to where a call may begin, and each call as it is written."""
 
 from __future__ import annotations
 
@@ -186,39 +186,54 @@ HERMES_REPLY = f"Let me check. <tool_call>\n{HERMES_CALL}\n</tool_call>"
 LLAMA3_CALL = json.dumps({"name": "weather", "parameters": WEATHER})
 
 
-def _finish_reasons(response) -> list[str]:
+def _chunks(response) -> list[dict]:
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    chunks = [json.loads(event) for event in events[:-1]]
-    return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def _finish_reasons(response) -> list[str]:
+    return [c["choices"][0]["finish_reason"] for c in _chunks(response) if c["choices"]]
 
 
 @pytest.mark.parametrize(
-    "parser, reply, content",
+    "parser, reply, content, in_pieces",
     [
-        ("hermes", HERMES_REPLY + '\n<tool_call>{"name": "now"}</tool_call>', "Let me check."),
         (
-            "llama3_json",
-            "<|python_tag|>" + LLAMA3_CALL + '; {"name": "now"}',
-            "",
+            "hermes",
+            HERMES_REPLY + '\n<tool_call>{"name": "now"}</tool_call>',
+            "Let me check.",
+            True,
         ),
+        ("llama3_json", "<|python_tag|>" + LLAMA3_CALL + '; {"name": "now"}', "", True),
+        ("pythonic", "[weather(city='Paris', days=3), now()]", "", False),
     ],
 )
-def test_calls_stream_as_they_are_written(tokenizer, parser, reply, content):
+def test_calls_stream_as_they_are_written(tokenizer, parser, reply, content, in_pieces):
     options = ServingOptions(tool_call_parser=parser)
-    response = scripted_chat(tokenizer, options, reply, True, tools=TOOLS)
-    deltas = stream_deltas(response)
-    assert "".join(d.get("content") or "" for d in deltas) == content
-    calls = [c for d in deltas for c in d.get("tool_calls") or []]
-    heads = [(c["index"], c["type"], c["function"]["name"]) for c in calls if c.get("id")]
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    response = scripted_chat(tokenizer, options, reply, True, tools=TOOLS, stream_options=usage)
+    chunks = [c for c in _chunks(response) if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == content
+    calls = [
+        (c["usage"], d) for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []
+    ]
+    heads = [(d["index"], d["type"], d["function"]["name"]) for _, d in calls if d.get("id")]
     assert heads == [(0, "function", "weather"), (1, "function", "now")]
+    # The first call went out while the reply was still being written.
+    num_tokens = chunks[-1]["usage"]["completion_tokens"]
+    assert calls[0][0]["completion_tokens"] < num_tokens
     pieces: dict[int, list[str]] = {0: [], 1: []}
-    for call in calls:
-        if call["function"].get("arguments"):
-            pieces[call["index"]].append(call["function"]["arguments"])
-    # Token by token: the first call's arguments went out in pieces, as the model wrote them,
-    # and a call written without arguments has `{}`, as the whole reply's parse reads it.
-    assert len(pieces[0]) > 1 and "".join(pieces[0]) == json.dumps(WEATHER)
-    assert pieces[1] == ["{}"]
+    for _, delta in calls:
+        if delta["function"].get("arguments"):
+            pieces[delta["index"]].append(delta["function"]["arguments"])
+    # hermes and llama3_json send the arguments in pieces, as the model wrote them (pythonic
+    # ones whole, as JSON); a call written without arguments has `{}`, as the whole reply's
+    # parse reads it.
+    assert (len(pieces[0]) > 1) == in_pieces
+    assert json.loads("".join(pieces[0])) == WEATHER and pieces[1] == ["{}"]
+    if in_pieces:
+        assert "".join(pieces[0]) == json.dumps(WEATHER)
     assert [r for r in _finish_reasons(response) if r] == ["tool_calls"]
     whole = scripted_chat(tokenizer, options, reply, False, tools=TOOLS).json()["choices"][0]
     assert whole["message"]["content"] == (content or None)
@@ -232,9 +247,16 @@ def test_calls_stream_as_they_are_written(tokenizer, parser, reply, content):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_hermes_tag_without_a_call_stays_content(tokenizer, stream):
-    options = ServingOptions(tool_call_parser="hermes")
-    reply = "Sure. <tool_call>{oops</tool_call>"
+@pytest.mark.parametrize(
+    "parser, reply",
+    [
+        ("hermes", "Sure. <tool_call>{oops</tool_call>"),
+        # The first call is not a literal one: the later one is not streamed either.
+        ("pythonic", "[weather(city=__import__('os').getcwd()), now()]"),
+    ],
+)
+def test_a_reply_that_cannot_be_read_whole_stays_content(tokenizer, parser, reply, stream):
+    options = ServingOptions(tool_call_parser=parser)
     response = scripted_chat(tokenizer, options, reply, stream, tools=TOOLS)
     if stream:
         deltas = stream_deltas(response)

@@ -31,6 +31,7 @@ from v1engine.entrypoints.openai.tool_parsers import (
     TOOL_CALL_PARSERS,
     HermesCallReader,
     Llama3JsonCallReader,
+    PythonicCallReader,
     content_end,
 )
 from v1engine.outputs import CompletionOutput
@@ -119,18 +120,16 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
         return content, tool_calls
     reader = ForcedCallReader(mode.named)
     reader.feed(text)
-    return (None, _tool_calls(reader)) if reader.calls else None
+    return (None, _tool_calls(reader.calls)) if reader.calls else None
 
 
 class ToolCallStream:
     """One choice's reply streamed under a tool mode: `feed` returns the content that may go out
     now and the tool-call deltas. With a parser: the content that is surely not a call (see
-    `tool_parsers.content_end`); hermes and llama3_json calls as they are written
-    (`_STREAMED_READERS`), pythonic ones once the reply ends, parsed from the whole text (or the
-    rest as content: it held none). Forced calls: each call's head as soon as its name is
-    written, then its arguments as they come (`forced_calls.py`). A reply that named no call
-    ends as content; a call already streamed stays sent even if the rest of the reply turns out
-    malformed."""
+    `tool_parsers.content_end`) and the calls as they are written (`_STREAMED_READERS`). Forced
+    calls: each call's head as soon as its name is written, then its arguments as they come
+    (`forced_calls.py`). A reply that named no call ends as content; a call already streamed
+    stays sent even if the rest of the reply turns out malformed."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -138,25 +137,18 @@ class ToolCallStream:
         self.num_sent = 0  # text[:num_sent] went out as content
         self.calls: list[ToolCall] = []
         self._reader = None if mode.parser is not None else ForcedCallReader(mode.named)
-        self._streamed = _STREAMED_READERS.get(mode.parser, lambda: None)()
+        self._streamed = None if mode.parser is None else _STREAMED_READERS[mode.parser]()
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
         if self._reader is not None:
             return self._feed_forced(delta, finished)
         end = content_end(self.mode.parser, self.text)
-        if self._streamed is not None:
-            deltas = _piece_deltas(self._streamed.feed(delta))
-            if finished:
-                deltas += self._end_streamed_calls()
-        elif finished:
-            parsed = parse_tool_calls(self.mode, self.text)
-            self.calls = [] if parsed is None else parsed[1]
-            deltas = tool_call_deltas(self.calls)
-        else:
-            deltas = []
-        if finished and not self.calls:
-            end = len(self.text)  # the reply held no call: it is all content
+        deltas = _piece_deltas(self._streamed.feed(delta))
+        if finished:
+            deltas += self._end_streamed_calls()
+            if not self.calls:
+                end = len(self.text)  # the reply held no call: it is all content
         content = self.text[self.num_sent : end]
         self.num_sent = max(self.num_sent, end)
         return content, deltas
@@ -164,29 +156,30 @@ class ToolCallStream:
     def _end_streamed_calls(self) -> list[DeltaToolCall]:
         """The calls streamed, once the reply ends; a call written without arguments gets
         `{}`, as the whole reply's parse reads it."""
-        reader = self._streamed.reader
         deltas = []
-        for index, call in enumerate(reader.calls):
+        for index, call in enumerate(self._streamed.calls):
             if not call.arguments:
                 call.arguments = "{}"
                 deltas += _call_deltas(index, None, call.arguments)
-        self.calls = _tool_calls(reader)
+        self.calls = _tool_calls(self._streamed.calls)
         return deltas
 
     def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         deltas = _piece_deltas(self._reader.feed(delta))
         if not finished:
             return "", deltas
-        self.calls = _tool_calls(self._reader)
+        self.calls = _tool_calls(self._reader.calls)
         if not self.calls:
             return self.text, []  # no call was named: the reply is content
         return "", deltas
 
 
-# The parsers whose calls stream as they are written, and their readers.
-_STREAMED_READERS: dict[str, Callable[[], HermesCallReader | Llama3JsonCallReader]] = {
+StreamedCallReader = HermesCallReader | Llama3JsonCallReader | PythonicCallReader
+# Each parser's reader of the calls while they are written.
+_STREAMED_READERS: dict[str, Callable[[], StreamedCallReader]] = {
     "hermes": HermesCallReader,
     "llama3_json": Llama3JsonCallReader,
+    "pythonic": PythonicCallReader,
 }
 
 
@@ -256,8 +249,8 @@ def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:
     return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
 
 
-def _tool_calls(reader: ForcedCallReader) -> list[ToolCall]:
-    return [_tool_call(c.id, c.name, c.arguments) for c in reader.calls]
+def _tool_calls(calls: list[ForcedCall]) -> list[ToolCall]:
+    return [_tool_call(c.id, c.name, c.arguments) for c in calls]
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:

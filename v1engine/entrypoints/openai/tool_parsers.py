@@ -13,9 +13,8 @@ no calls where the text does not hold well-formed ones (it then stays content, a
   `<|python_start|>` and `<|python_end|>`; no content. It is read with `ast` (literals only:
   nothing in it runs).
 
-A stream reads hermes and llama3_json calls while they are written (`HermesCallReader`,
-`Llama3JsonCallReader`); pythonic ones once the reply ends. `content_end` says how much of a reply
-may stream as content.
+A stream reads the calls while they are written (`HermesCallReader`, `Llama3JsonCallReader`,
+`PythonicCallReader`); `content_end` says how much of a reply may stream as content.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from v1engine.engine.detokenizer import partial_stop_len
-from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader
+from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader, new_call_id
 
 Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -159,6 +158,10 @@ class HermesCallReader:
         self._in_call = False
         self._num_opened = 0
 
+    @property
+    def calls(self) -> list[ForcedCall]:
+        return self.reader.calls
+
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         self._text += delta
         array_text = ""
@@ -196,6 +199,10 @@ class Llama3JsonCallReader:
         self._text = ""
         self._reading: bool | None = None  # None until the reply's start decides
 
+    @property
+    def calls(self) -> list[ForcedCall]:
+        return self.reader.calls
+
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         if self._reading is not None:
             return self.reader.feed(delta) if self._reading else []
@@ -208,6 +215,78 @@ class Llama3JsonCallReader:
             return []
         self._reading = body.startswith("{")
         return self.reader.feed("[" + body) if self._reading else []
+
+
+class PythonicCallReader:
+    """pythonic calls read while the reply grows: each call of the list goes out once it is
+    written whole (its closing parenthesis), read as the whole reply is (`_python_calls`: literals
+    only, nothing runs), so its arguments are the whole reply's. Until the reply's start decides,
+    nothing is read; a reply that starts otherwise is content and holds no calls."""
+
+    _TAG = "<|python_start|>"
+
+    def __init__(self) -> None:
+        self.calls: list[ForcedCall] = []
+        self._text = ""
+        self._reading: bool | None = None  # None until the reply's start decides
+        self._position = 0  # text[:_position] is scanned
+        self._depth = 0
+        self._quote: str | None = None  # the quote of the string being read
+        self._escaped = False
+        self._call_start: int | None = None  # where the call being written starts
+
+    def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
+        self._text += delta
+        if self._reading is None:
+            body = self._text.lstrip()
+            if not body or (self._TAG.startswith(body) and body != self._TAG):
+                return []  # undecided
+            body = body.removeprefix(self._TAG).lstrip()
+            if not body:
+                return []
+            self._reading = body.startswith("[")
+            self._position = len(self._text) - len(body)
+        pieces = []
+        while self._reading and self._position < len(self._text):
+            call = self._scan(self._text[self._position])
+            self._position += 1
+            if call is not None:
+                self.calls.append(call)
+                pieces.append((len(self.calls) - 1, call, call.arguments))
+        return pieces
+
+    def _scan(self, char: str) -> ForcedCall | None:
+        """Advances over one character; returns the call it closes, if it closes one."""
+        if self._quote is not None:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == self._quote:
+                self._quote = None
+        elif char in "'\"":
+            self._quote = char
+        elif char in "([{":
+            self._depth += 1
+        elif char in ")]}":
+            self._depth -= 1
+            if char == ")" and self._depth == 1 and self._call_start is not None:
+                return self._end_call()
+        elif self._depth == 1 and self._call_start is None and char not in " \t\n,":
+            self._call_start = self._position
+        return None
+
+    def _end_call(self) -> ForcedCall | None:
+        text = self._text[self._call_start : self._position + 1]
+        self._call_start = None
+        try:
+            ((name, arguments),) = _python_calls(ast.parse(f"[{text}]", mode="eval").body)
+        # Not a call the whole reply's parse would read (see parse_pythonic): neither it nor
+        # any later call is streamed, as the reply cannot be read whole.
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            self._reading = False
+            return None
+        return ForcedCall(new_call_id(), name, arguments)
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
