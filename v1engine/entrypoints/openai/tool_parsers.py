@@ -186,6 +186,15 @@ class HermesCallReader:
         return self.reader.feed(array_text)
 
 
+def _decided_body(text: str, tag: str) -> str | None:
+    """A reply so far after its leading whitespace and `tag` (which may open it), once its first
+    character is written; None while that is undecided."""
+    body = text.lstrip()
+    if tag.startswith(body) and body != tag:
+        return None  # empty, or perhaps the tag
+    return body.removeprefix(tag).lstrip() or None
+
+
 class Llama3JsonCallReader:
     """llama3_json calls read while the reply grows: a reply that starts with `{` (after
     `<|python_tag|>`, if any) is fed to a ForcedCallReader as the items of its array (it skips
@@ -207,11 +216,8 @@ class Llama3JsonCallReader:
         if self._reading is not None:
             return self.reader.feed(delta) if self._reading else []
         self._text += delta
-        body = self._text.lstrip()
-        if not body or (self._TAG.startswith(body) and body != self._TAG):
-            return []  # undecided
-        body = body.removeprefix(self._TAG).lstrip()
-        if not body:
+        body = _decided_body(self._text, self._TAG)
+        if body is None:
             return []
         self._reading = body.startswith("{")
         return self.reader.feed("[" + body) if self._reading else []
@@ -238,11 +244,8 @@ class PythonicCallReader:
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         self._text += delta
         if self._reading is None:
-            body = self._text.lstrip()
-            if not body or (self._TAG.startswith(body) and body != self._TAG):
-                return []  # undecided
-            body = body.removeprefix(self._TAG).lstrip()
-            if not body:
+            body = _decided_body(self._text, self._TAG)
+            if body is None:
                 return []
             self._reading = body.startswith("[")
             self._position = len(self._text) - len(body)
