@@ -190,6 +190,9 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
         times: dict[str, list[float]] = {system: [] for system in systems}
         for llm in engines.values():
             run_v1engine(llm, requests[:4])  # warm-up
+        # transformers' first generate is slow too (on an H200 its first repeat took 2.5-3.5x
+        # its others): warm it the same way, so its median is of warm runs, as v1engine's is.
+        run_transformers(hf_model, requests[:4], args.hf_batch_size)
         for repeat in range(args.repeats):
             shift = repeat % len(systems)  # each system takes each place in turn
             for system in systems[shift:] + systems[:shift]:
