@@ -7,12 +7,16 @@ to where a call may begin, and each call as it is written."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_deltas
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.tool_parsers import (
+    HermesCallReader,
+    Llama3JsonCallReader,
+    PythonicCallReader,
     content_end,
     parse_llama3_json,
     parse_pythonic,
@@ -266,3 +270,35 @@ def test_a_reply_that_cannot_be_read_whole_stays_content(tokenizer, parser, repl
     else:
         choice = response.json()["choices"][0]
         assert choice["message"]["content"] == reply and not choice["message"]["tool_calls"]
+
+
+READER_REPLIES = [
+    (
+        HermesCallReader,
+        'Hi <tool_call>\n{"name": "a", "arguments": {"s": "x</tool_call y", "n": [1, {"k": "}"}]}}'
+        '\n</tool_call>\n<tool_call>{"name": "b"}</tool_call>',
+    ),
+    (
+        Llama3JsonCallReader,
+        '<|python_tag|> {"name": "a", "parameters": {"s": ";{"}}; {"name": "b"}',
+    ),
+    (PythonicCallReader, "<|python_start|>[a(s='x)\\'', n=[1, {'k': ')'}]), b()]<|python_end|>"),
+]
+
+
+@pytest.mark.parametrize("reader_class, reply", READER_REPLIES)
+def test_a_readers_calls_do_not_depend_on_how_the_reply_is_cut(reader_class, reply):
+    """Fed whole or cut anywhere, a reader reads the same calls, and its pieces add up to them."""
+    whole = reader_class()
+    whole.feed(reply)
+    expected = [(call.name, call.arguments) for call in whole.calls]
+    assert [name for name, _ in expected] == ["a", "b"]
+    rng = random.Random(0)
+    for _ in range(50):
+        reader, cuts = reader_class(), sorted(rng.sample(range(1, len(reply)), 8))
+        arguments: dict[int, str] = {}
+        for start, end in zip([0, *cuts], [*cuts, len(reply)]):
+            for index, _, piece in reader.feed(reply[start:end]):
+                arguments[index] = arguments.get(index, "") + piece
+        assert [(call.name, call.arguments) for call in reader.calls] == expected
+        assert [arguments.get(i, "") for i in range(len(expected))] == [a for _, a in expected]
