@@ -59,11 +59,18 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | None = None  # set over the file's values
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     runner_type: str = "generate"  # RUNNER_TYPES but "auto", which EngineArgs resolves
+    # vLLM's: the most logprobs (and prompt logprobs) per token a request may ask for; -1: no
+    # limit, and a request may ask for -1, the whole vocabulary. The sampler is profiled at it.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)
         _require_choice("runner_type", self.runner_type, RUNNER_TYPES[1:])
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
+        _require(
+            self.max_logprobs >= -1,
+            f"max_logprobs must be >= 0, or -1 for no limit, got {self.max_logprobs}",
+        )
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class EngineCoreInfo(msgspec.Struct, array_like=True):
     max_model_len: int
     vocab_size: int | None  # None: a model-free worker class (requests' ids go unchecked)
     max_loras: int = 0  # LoRA adapters one step may run; 0: LoRA requests are refused
+    max_logprobs: int = 20  # logprobs per token a request may ask for; -1: no limit
 
 
 class UtilityCall(msgspec.Struct, array_like=True):

@@ -84,6 +84,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's: the most logprobs / prompt logprobs per token a request may ask for (-1: no limit;
+    # a request may then ask for -1, the whole vocabulary).
+    max_logprobs: int = 20
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
@@ -163,6 +166,7 @@ class EngineArgs:
                 self.generation_config, self.model, self.override_generation_config
             ),
             runner_type=resolve_runner(self.runner, hf_config),
+            max_logprobs=self.max_logprobs,
         )
 
     @staticmethod

@@ -79,6 +79,7 @@ def validate_request(
             "this engine serves no adapters; start it with enable_lora=True (--enable-lora)"
         )
     request.sampling_params.validate()
+    _check_num_logprobs(request_id, request.sampling_params, info.max_logprobs)
     if vocab_size is not None:
         _check_sampling_token_ids(request_id, request.sampling_params, vocab_size)
     elif request.sampling_params.structured_outputs is not None:
@@ -86,6 +87,19 @@ def validate_request(
             f"request {request_id!r}: structured outputs need a model (its vocabulary), and this "
             "engine runs a model-free worker class"
         )
+
+
+def _check_num_logprobs(request_id: str, params: SamplingParams, max_logprobs: int) -> None:
+    """Within the engine's max_logprobs (the processor has replaced -1 by the vocabulary size)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and max_logprobs != -1 and value > max_logprobs:
+            raise ValueError(
+                f"request {request_id!r}: SamplingParams.{name} asks for {value} logprobs per "
+                f"token (-1: the whole vocabulary) but this engine's max_logprobs is "
+                f"{max_logprobs}; ask for fewer, or raise max_logprobs (LLM(max_logprobs=...), "
+                "--max-logprobs; -1: no limit)"
+            )
 
 
 def _check_sampling_token_ids(request_id: str, params: SamplingParams, vocab_size: int) -> None:

@@ -25,6 +25,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    # Per output token: its logprob and the k most likely tokens'; -1 (vLLM's): every token's,
+    # within the engine's max_logprobs.
     logprobs: int | None = None
     # Per prompt token after the first: its logprob and the k most likely tokens' (vLLM's).
     prompt_logprobs: int | None = None
@@ -85,15 +87,9 @@ class SamplingParams:
             self.repetition_penalty,
             "must be > 0",
         )
-        _check(
-            self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0"
-        )
-        _check(
-            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-            "prompt_logprobs",
-            self.prompt_logprobs,
-            "must be >= 0 (vLLM's -1, the whole vocabulary, is not supported)",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= -1, name, value, "must be >= 0, or -1 (every token)")
         _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
         _check(
             self.detokenize or not self.stop,

@@ -122,3 +122,30 @@ def test_default_model_prompt_logprobs_equal_transformers():
     check_prompt_logprobs(output, hf_prompt_logprobs(hf_model, output.prompt_token_ids), 5)
     for token_id, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
         assert entry[token_id].decoded_token == tokenizer.decode([token_id])
+
+
+def test_minus_one_is_every_tokens_logprob_within_max_logprobs(llama):
+    """vLLM's -1: the whole vocabulary, for sample and prompt logprobs; an engine's
+    max_logprobs (default 20, as vLLM's; -1: no limit) bounds what a request may ask."""
+    checkpoint, hf_model = llama
+    every = _params(-1, logprobs=-1)
+    with make_llm(checkpoint) as llm:
+        with pytest.raises(ValueError, match="max_logprobs is 20"):
+            llm.generate([PROMPTS[0]], every, use_tqdm=False)
+        with pytest.raises(ValueError, match="SamplingParams.logprobs asks for 21"):
+            llm.generate([PROMPTS[0]], _params(None, logprobs=21), use_tqdm=False)
+        assert all_blocks_free(llm)
+    with make_llm(checkpoint, max_logprobs=-1) as llm:
+        (output,) = llm.generate([PROMPTS[2]], every, use_tqdm=False)
+    vocab_size = hf_model.config.vocab_size
+    completion = output.outputs[0]
+    tokens = output.prompt_token_ids + completion.token_ids
+    reference = hf_prompt_logprobs(hf_model, tokens)
+    prompt_len = len(output.prompt_token_ids)
+    check_prompt_logprobs(output, reference[:prompt_len], vocab_size)
+    assert len(completion.logprobs) == len(completion.token_ids) == 3
+    for step, entry in enumerate(completion.logprobs):
+        row = reference[prompt_len - 1 + step]
+        assert sorted(entry) == list(range(vocab_size))
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(row[token_id].item(), abs=ATOL)

@@ -66,11 +66,14 @@ def test_only_rows_with_masks_or_bias_get_a_bias_row() -> None:
 
 
 def test_profiling_metadata_turns_every_stage_on() -> None:
-    metadata = dummy_sampling_metadata(3, _VOCAB, 8, torch.device("cpu"))
+    metadata = dummy_sampling_metadata(3, _VOCAB, 8, 20, torch.device("cpu"))
     assert metadata.logit_bias.shape == (3, _VOCAB) and metadata.logit_bias_rows.tolist() == [
         0,
         1,
         2,
     ]
-    assert not metadata.no_penalties and metadata.max_num_logprobs
+    assert not metadata.no_penalties and metadata.max_num_logprobs == min(20, _VOCAB)
+    # The engine's max_logprobs: -1 (no limit) profiles every token's logprob.
+    every = dummy_sampling_metadata(3, _VOCAB, 8, -1, torch.device("cpu"))
+    assert every.max_num_logprobs == _VOCAB
     assert None not in (metadata.top_k, metadata.top_p, metadata.min_p)

@@ -73,6 +73,7 @@ class EngineCore:
             max_model_len=config.scheduler_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
             max_loras=0 if config.lora_config is None else config.lora_config.max_loras,
+            max_logprobs=config.model_config.max_logprobs,
         )
         # None for a model-free worker class (validate_request refuses structured outputs).
         self.structured_output_manager = None

@@ -167,6 +167,7 @@ class Processor:
                 adapter the engine cannot serve), named by `request_id`; nothing is registered.
         """
         self._check_generation(params, priority, lora_request)
+        params = whole_vocabulary_logprobs(params, self.info.vocab_size)
         prompt_token_ids = truncate_prompt(
             prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len
         )
@@ -315,6 +316,21 @@ def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]
             if token_ids and token_ids not in sequences:
                 sequences.append(token_ids)
     return sequences
+
+
+def whole_vocabulary_logprobs(params: SamplingParams, vocab_size: int | None) -> SamplingParams:
+    """`params` with vLLM's -1 logprobs / prompt_logprobs (every token's) as the vocabulary's
+    size, which validate_request then holds to max_logprobs.
+
+    Raises:
+        ValueError: -1 on a model-free engine (no vocabulary).
+    """
+    names = [name for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1]
+    if not names:
+        return params
+    if vocab_size is None:
+        raise ValueError(f"{names[0]}=-1 asks for every token's logprob, but there is no model")
+    return dataclasses.replace(params, **dict.fromkeys(names, vocab_size))
 
 
 def check_priority(priority: Any, policy: str) -> None:

@@ -185,8 +185,9 @@ class GPUModelRunner:
         if after_forward is not None:
             after_forward()
         logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
+        max_logprobs = self.config.model_config.max_logprobs
         sampling = dummy_sampling_metadata(
-            len(query_lens), self.vocab_size, max(query_lens), self.device
+            len(query_lens), self.vocab_size, max(query_lens), max_logprobs, self.device
         )
         self.sampler(logits, sampling)
 

@@ -228,8 +228,9 @@ def build_dummy_model_inputs(
 # logit-bias and mask lists only when some request uses logit_bias, allowed_token_ids, bad words
 # or min_tokens.
 #
-# The profiling run samples with every stage on, so its memory peak covers the costliest step.
-_PROFILE_NUM_LOGPROBS = 20
+# The profiling run samples with every stage on (logprobs at the engine's max_logprobs), so its
+# memory peak covers the costliest step.
+_PROFILE_NUM_ALLOWED = 20
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -321,13 +322,14 @@ def build_sampling_metadata(
 
 
 def dummy_sampling_metadata(
-    num_reqs: int, vocab_size: int, prompt_len: int, device: torch.device
+    num_reqs: int, vocab_size: int, prompt_len: int, max_logprobs: int, device: torch.device
 ) -> SamplingMetadata:
     """Random sampling with every stage on (a grammar bitmask, logit bias and masks over all
-    rows, top-k, top-p, min-p, all penalties and logprobs), for profiling."""
+    rows, top-k, top-p, min-p, all penalties and `max_logprobs` logprobs, -1: every token's),
+    for profiling."""
     prompt = list(range(min(prompt_len, vocab_size)))
     # A few allowed tokens are enough: the mask's [num_reqs, vocab_size] tensor is the cost.
-    allowed = list(range(min(vocab_size, _PROFILE_NUM_LOGPROBS)))
+    allowed = list(range(min(vocab_size, _PROFILE_NUM_ALLOWED)))
     return SamplingMetadata.from_lists(
         temperature=[1.0] * num_reqs,
         vocab_size=vocab_size,
@@ -343,7 +345,7 @@ def dummy_sampling_metadata(
         logit_bias=[{allowed[0]: 1.0}] * num_reqs,
         allowed_token_ids=[allowed] * num_reqs,
         banned_token_ids=[allowed[1:2]] * num_reqs,
-        max_num_logprobs=_PROFILE_NUM_LOGPROBS,
+        max_num_logprobs=vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size),
         # Every bit set: every token allowed.
         grammar_bitmask=(
             list(range(num_reqs)),

@@ -285,6 +285,10 @@ def test_every_engine_arg_and_request_limit_is_a_flag():
     assert RequestLimits.from_cli_args(args) == RequestLimits()
     with pytest.raises(ValueError, match="--max-request-body-bytes must be >= 1"):
         RequestLimits(max_request_body_bytes=0)
+    # --max-logprobs is the engine's (it holds every request to it), read by the limits too.
+    args = parser.parse_args(["--max-logprobs", "-1"])
+    assert EngineArgs.from_cli_args(args).max_logprobs == -1
+    assert RequestLimits.from_cli_args(args).max_logprobs == -1
     options = ServingOptions.from_cli_args(parser.parse_args(["--max-stored-responses", "7"]))
     assert options.max_stored_responses == 7
     assert ServingOptions.from_cli_args(args) == ServingOptions()

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
+from v1engine.entrypoints.openai.errors import APIError
 from v1engine.entrypoints.openai.limits import RequestLimits
 from v1engine.entrypoints.openai.logprobs import (
     completion_logprobs,
@@ -17,6 +18,7 @@ from v1engine.entrypoints.openai.logprobs import (
     prompt_rows,
 )
 from v1engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from v1engine.entrypoints.openai.serving_chat import _chat_logprobs
 from v1engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from v1engine.entrypoints.openai.serving_outputs import merge_async_iterators
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -248,3 +250,23 @@ def test_echo_response_puts_prompt_rows_first_and_drops_the_scoring_token(tiny_m
     }
     assert choice.finish_reason == ("stop" if max_tokens else "length")
     assert response.usage.completion_tokens == max_tokens
+
+
+def test_minus_one_logprobs_are_every_tokens_on_a_server_without_a_limit():
+    with pytest.raises(APIError, match="needs a server started with --max-logprobs -1") as info:
+        RequestLimits().check_num_logprobs(-1, "top_logprobs")
+    assert info.value.param == "top_logprobs"
+    unlimited = RequestLimits(max_logprobs=-1)
+    unlimited.check_num_logprobs(-1, "top_logprobs")
+    unlimited.check_num_logprobs(10**6, "logprobs")
+    with pytest.raises(APIError, match="must be >= 0, or -1"):
+        unlimited.check_num_logprobs(-2, "logprobs")
+    # A chat's top_logprobs=-1 lists every candidate the engine sent (the whole vocabulary).
+    row = {t: Logprob(logprob=-float(t), rank=t + 1, decoded_token=f"t{t}") for t in range(7)}
+    output = CompletionOutput(0, "t3", [3], None, [row])
+    request = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=-1)
+    (token,) = _chat_logprobs(output, request).content
+    assert token.token == "t3" and [t.token for t in token.top_logprobs] == [
+        f"t{t}" for t in range(7)
+    ]
+    assert request.to_sampling_params(8).logprobs == -1

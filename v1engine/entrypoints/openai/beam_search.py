@@ -49,7 +49,7 @@ def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) 
             "include_stop_str_in_output and truncate_prompt_tokens; drop the others",
             param=unsupported[0],
         )
-    if 2 * params.n > max_logprobs:
+    if max_logprobs != -1 and 2 * params.n > max_logprobs:
         raise APIError(
             f"n: a beam search of width {params.n} reads {2 * params.n} logprobs per step, over "
             f"this server's limit of {max_logprobs}; lower n, or restart the server with a "

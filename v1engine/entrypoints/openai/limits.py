@@ -21,10 +21,9 @@ class RequestLimits:
     max_n: int = field(
         default=128, metadata={"help": "most completions one request may ask for (n)"}
     )
-    # vLLM's name and default.
-    max_logprobs: int = field(
-        default=20, metadata={"help": "most logprobs / top_logprobs per token a request may ask"}
-    )
+    # The engine's max_logprobs (EngineArgs' --max-logprobs, which the engine holds every
+    # request to): checked here too, for a 400 that names the request's field. -1: no limit.
+    max_logprobs: int = field(default=20, metadata={"engine_arg": True})
     max_stop_sequences: int = field(
         default=16, metadata={"help": "most stop strings, and most stop_token_ids, per request"}
     )
@@ -38,13 +37,15 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            lowest = 0 if f.name == "max_logprobs" else 1
+            lowest = -1 if f.name == "max_logprobs" else 1
             if value < lowest:
                 raise ValueError(f"--{_flag(f.name)} must be >= {lowest}, got {value}")
 
     @staticmethod
     def add_cli_args(group: Any) -> None:
         for f in fields(RequestLimits):
+            if f.metadata.get("engine_arg"):
+                continue  # EngineArgs adds its flag
             help_text = f"{f.metadata['help']} (default {f.default})"
             group.add_argument("--" + _flag(f.name), type=int, default=f.default, help=help_text)
 
@@ -58,9 +59,19 @@ class RequestLimits:
     def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
         if num_logprobs is None:
             return
+        if num_logprobs == -1:  # vLLM's: every token's
+            if self.max_logprobs != -1:
+                raise APIError(
+                    f"{param}: -1 (every token's logprob) needs a server started with "
+                    "--max-logprobs -1",
+                    param=param,
+                )
+            return
         if num_logprobs < 0:
-            raise APIError(f"{param} must be >= 0, got {num_logprobs}", param=param)
-        _check_at_most(param, num_logprobs, "logprobs per token", self.max_logprobs, "max_logprobs")
+            raise APIError(f"{param} must be >= 0, or -1, got {num_logprobs}", param=param)
+        if self.max_logprobs != -1:
+            limit = self.max_logprobs
+            _check_at_most(param, num_logprobs, "logprobs per token", limit, "max_logprobs")
 
     def check_stop(
         self, stop: list[str], stop_token_ids: list[int], vocab_size: int | None

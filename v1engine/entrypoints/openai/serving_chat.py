@@ -370,6 +370,7 @@ def _chat_logprobs(output: CompletionOutput, request: ChatCompletionRequest) -> 
     if output.logprobs is None:
         return None
     num_top = request.top_logprobs or 0
+    num_top = None if num_top == -1 else num_top  # vLLM's -1: every token's
     as_ids = request.return_tokens_as_token_ids
     content = []
     for sampled, ranked in sampled_logprobs(output.token_ids, output.logprobs):
