@@ -73,6 +73,9 @@ def test_a_concurrency_limit_runs_the_searches_in_turn_with_the_same_results(llm
             assert a.cum_logprob == pytest.approx(b.cum_logprob, abs=1e-4)
     with pytest.raises(ValueError, match="concurrency_limit must be >= 1 or None, got 0"):
         llm.beam_search(prompts, params, concurrency_limit=0)
+    # Each step reads 2 * beam_width logprobs: within the engine's max_logprobs (20 here).
+    with pytest.raises(ValueError, match="beam_width 11 reads 22 logprobs per step"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=11, max_tokens=2))
 
 
 def test_a_prompt_the_engine_refuses_raises_and_leaves_nothing_running(llm):

@@ -173,12 +173,20 @@ class LLM:
         LoRA adapter every search runs with.
 
         Raises:
-            ValueError: a bad prompt (as `generate`), or a concurrency_limit below 1; no request
-                of this call is left running.
+            ValueError: a bad prompt (as `generate`), a concurrency_limit below 1, or a beam
+                whose 2 * beam_width candidates per step exceed max_logprobs; no request of
+                this call is left running.
         """
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1 or None, got {concurrency_limit}")
         info, eos_token_id = self.processor.info, self.processor.eos_token_id
+        candidates = 2 * params.beam_width
+        if info.max_logprobs != -1 and candidates > info.max_logprobs:
+            raise ValueError(
+                f"beam_width {params.beam_width} reads {candidates} logprobs per step, over this "
+                f"engine's max_logprobs of {info.max_logprobs}; narrow the beam, or start the "
+                f"engine with max_logprobs={candidates} (or -1)"
+            )
         searches = [
             BeamSearch(self.processor.tokenize(prompt)[1], params, eos_token_id, info.max_model_len)
             for prompt in _as_prompt_list(prompts)
