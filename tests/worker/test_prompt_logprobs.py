@@ -131,10 +131,11 @@ def test_non_driver_ranks_call_the_lm_head_alike_and_return_nothing():
     assert calls == [8, 8, 3]
 
 
-def test_prompt_logprobs_must_be_non_negative():
+def test_prompt_logprobs_must_be_non_negative_or_minus_one():
     assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
-    with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs must be >= 0.*-1"):
-        SamplingParams(prompt_logprobs=-1)
+    assert SamplingParams(prompt_logprobs=-1).prompt_logprobs == -1  # vLLM's: every token's
+    with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs must be >= 0, or -1"):
+        SamplingParams(prompt_logprobs=-2)
 
 
 def test_only_askers_are_tracked_and_a_finished_one_is_dropped():

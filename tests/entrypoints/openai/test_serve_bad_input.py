@@ -50,7 +50,9 @@ CASES = [
     ("n huge", C, {"n": 1_000_000}, "n", "1000000", "128", "--max-n"),
     ("n zero", CHAT, {"n": 0}, "n", "n must be >= 1"),
     ("logprobs huge", C, {"logprobs": 10**9}, "logprobs", "20", "--max-logprobs"),
-    ("logprobs negative", C, {"logprobs": -1}, "logprobs", "logprobs must be >= 0"),
+    ("logprobs negative", C, {"logprobs": -2}, "logprobs", "logprobs must be >= 0, or -1"),
+    # vLLM's -1 (every token's) is over a server's default limit too.
+    ("logprobs -1", C, {"logprobs": -1}, "logprobs", "-1", "--max-logprobs -1"),
     (
         "top_logprobs huge",
         CHAT,
