@@ -136,47 +136,44 @@ class ToolCallStream:
         self.text = ""
         self.num_sent = 0  # text[:num_sent] went out as content
         self.calls: list[ToolCall] = []
-        self._reader = None if mode.parser is not None else ForcedCallReader(mode.named)
-        self._streamed = None if mode.parser is None else _STREAMED_READERS[mode.parser]()
+        self._reader: CallReader = (
+            ForcedCallReader(mode.named)
+            if mode.parser is None
+            else _STREAMED_READERS[mode.parser]()
+        )
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
-        if self._reader is not None:
-            return self._feed_forced(delta, finished)
-        end = content_end(self.mode.parser, self.text)
-        deltas = _piece_deltas(self._streamed.feed(delta))
+        deltas = _piece_deltas(self._reader.feed(delta))
+        # A forced reply is calls from its first character; a parser's is content up to where
+        # a call may begin.
+        end = 0 if self.mode.parser is None else content_end(self.mode.parser, self.text)
         if finished:
-            deltas += self._end_streamed_calls()
+            if self.mode.parser is not None:
+                deltas += self._fill_missing_arguments()
+            self.calls = _tool_calls(self._reader.calls)
             if not self.calls:
                 end = len(self.text)  # the reply held no call: it is all content
         content = self.text[self.num_sent : end]
         self.num_sent = max(self.num_sent, end)
         return content, deltas
 
-    def _end_streamed_calls(self) -> list[DeltaToolCall]:
-        """The calls streamed, once the reply ends; a call written without arguments gets
-        `{}`, as the whole reply's parse reads it."""
+    def _fill_missing_arguments(self) -> list[DeltaToolCall]:
+        """A parsed call written without arguments gets `{}`, as the whole reply's parse reads
+        it (a forced call cut by max_tokens keeps what was written, even nothing)."""
         deltas = []
-        for index, call in enumerate(self._streamed.calls):
+        for index, call in enumerate(self._reader.calls):
             if not call.arguments:
                 call.arguments = "{}"
                 deltas += _call_deltas(index, None, call.arguments)
-        self.calls = _tool_calls(self._streamed.calls)
         return deltas
 
-    def _feed_forced(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        deltas = _piece_deltas(self._reader.feed(delta))
-        if not finished:
-            return "", deltas
-        self.calls = _tool_calls(self._reader.calls)
-        if not self.calls:
-            return self.text, []  # no call was named: the reply is content
-        return "", deltas
 
-
-StreamedCallReader = HermesCallReader | Llama3JsonCallReader | PythonicCallReader
-# Each parser's reader of the calls while they are written.
-_STREAMED_READERS: dict[str, Callable[[], StreamedCallReader]] = {
+# What reads a reply's calls while it is written: `feed(delta)` returns the new pieces and
+# `calls` the calls so far (forced_calls.ForcedCallReader, or a parser's reader).
+CallReader = ForcedCallReader | HermesCallReader | Llama3JsonCallReader | PythonicCallReader
+# Each parser's reader.
+_STREAMED_READERS: dict[str, Callable[[], CallReader]] = {
     "hermes": HermesCallReader,
     "llama3_json": Llama3JsonCallReader,
     "pythonic": PythonicCallReader,

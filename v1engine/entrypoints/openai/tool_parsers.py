@@ -169,7 +169,9 @@ class HermesCallReader:
             if not self._in_call:
                 start = self._text.find(self._OPEN, self._read)
                 if start < 0:
-                    break  # text between calls is not read
+                    # Text between calls is not read: skip it, less what may begin a tag.
+                    self._read = max(self._read, len(self._text) - len(self._OPEN) + 1)
+                    break
                 array_text += "," if self._num_opened else "["
                 self._num_opened += 1
                 self._in_call, self._read = True, start + len(self._OPEN)
