@@ -50,6 +50,17 @@ def step_params(params: BeamSearchParams) -> SamplingParams:
     )
 
 
+def over_max_logprobs(beam_width: int, max_logprobs: int) -> str | None:
+    """Why a search this wide cannot run on an engine with this max_logprobs (each step asks
+    for 2 * beam_width candidates; -1: no bound), or None when it can."""
+    candidates = 2 * beam_width
+    if max_logprobs == -1 or candidates <= max_logprobs:
+        return None
+    return (
+        f"reads {candidates} logprobs per step, over this engine's max_logprobs of {max_logprobs}"
+    )
+
+
 def step_candidates(output: RequestOutput) -> dict[int, Logprob]:
     """A finished one-token step's candidates (the sampled token's and the top ones)."""
     logprobs = output.outputs[0].logprobs

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from v1engine.engine.beam_search import (
     BeamSearch,
     BeamSearchOutput,
+    over_max_logprobs,
     step_candidates,
     step_params,
 )
@@ -180,12 +181,11 @@ class LLM:
         if concurrency_limit is not None and concurrency_limit < 1:
             raise ValueError(f"concurrency_limit must be >= 1 or None, got {concurrency_limit}")
         info, eos_token_id = self.processor.info, self.processor.eos_token_id
-        candidates = 2 * params.beam_width
-        if info.max_logprobs != -1 and candidates > info.max_logprobs:
+        too_wide = over_max_logprobs(params.beam_width, info.max_logprobs)
+        if too_wide:
             raise ValueError(
-                f"beam_width {params.beam_width} reads {candidates} logprobs per step, over this "
-                f"engine's max_logprobs of {info.max_logprobs}; narrow the beam, or start the "
-                f"engine with max_logprobs={candidates} (or -1)"
+                f"beam_width {params.beam_width} {too_wide}; narrow the beam, or start the "
+                f"engine with max_logprobs={2 * params.beam_width} (or -1)"
             )
         searches = [
             BeamSearch(self.processor.tokenize(prompt)[1], params, eos_token_id, info.max_model_len)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from v1engine.engine.beam_search import over_max_logprobs
 from v1engine.entrypoints.openai.errors import APIError
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -49,11 +50,11 @@ def beam_search_params(request: Any, params: SamplingParams, max_logprobs: int) 
             "include_stop_str_in_output and truncate_prompt_tokens; drop the others",
             param=unsupported[0],
         )
-    if max_logprobs != -1 and 2 * params.n > max_logprobs:
+    too_wide = over_max_logprobs(params.n, max_logprobs)
+    if too_wide:
         raise APIError(
-            f"n: a beam search of width {params.n} reads {2 * params.n} logprobs per step, over "
-            f"this server's limit of {max_logprobs}; lower n, or restart the server with a "
-            "higher --max-logprobs",
+            f"n: a beam search of width {params.n} {too_wide}; lower n, or restart the server "
+            "with a higher --max-logprobs",
             param="n",
         )
     assert params.max_tokens is not None  # the serving layer fills in the context's room
