@@ -4,6 +4,7 @@ must guard its entry)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -16,7 +17,8 @@ def _python_blocks(text: str) -> list[str]:
 
 def test_the_offline_example_runs_as_a_script(tmp_path):
     with open(os.path.join(ROOT, "README.md")) as f:
-        (example,) = [b for b in _python_blocks(f.read()) if "from v1engine import LLM" in b]
+        blocks = _python_blocks(f.read())
+    (example,) = [b for b in blocks if "from v1engine import LLM" in b and "profile" not in b]
     script = tmp_path / "offline_example.py"
     script.write_text(example)
     done = run_script(str(script), cwd=str(tmp_path))
@@ -29,3 +31,13 @@ def test_the_asyncio_example_runs_as_a_script(tmp_path):
     script = tmp_path / "asyncio_example.py"
     script.write_text(example)
     assert "Paris" in run_script(str(script), cwd=str(tmp_path)).stdout
+
+
+def test_the_profiling_example_writes_a_trace(tmp_path):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (example,) = [b for b in _python_blocks(f.read()) if "start_profile" in b]
+    script = tmp_path / "profiling_example.py"
+    script.write_text(example)
+    run_script(str(script), cwd=str(tmp_path))
+    assert glob.glob(str(tmp_path / "traces" / "rank0.*.pt.trace.json.gz"))
+    assert glob.glob(str(tmp_path / "traces" / "rank0.*.txt"))

@@ -6,7 +6,8 @@ model on disk. `EngineArgs` (the flat, user-facing form) lives in `engine_args.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # The one list of each choice: the configs validate against them, `EngineArgs` offers them as
@@ -23,6 +24,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # sequence classifier (`hf_config.resolve_runner`).
 RUNNER_TYPES = ("auto", "generate", "pooling")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
+# vLLM's `profiler_config.profiler`: torch.profiler traces (its "cuda", Nsight's capture range,
+# is not offered: run the server under `nsys profile` instead).
+PROFILERS = (None, "torch")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -189,6 +193,60 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ProfilerConfig:
+    """vLLM's `--profiler-config`: with `profiler="torch"`, `LLM.start_profile()` /
+    `stop_profile()` (the server's POST /start_profile and /stop_profile) record every worker's
+    steps with torch.profiler, and each rank writes a trace Perfetto opens into
+    `torch_profiler_dir` (made absolute here: the workers may run elsewhere in the tree)."""
+
+    profiler: str | None = None  # PROFILERS; None: profiling is off
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True  # Python stacks of each op (vLLM's default)
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.profiler in PROFILERS,
+            f"profiler_config.profiler must be one of {PROFILERS}, got {self.profiler!r}",
+        )
+        for f in fields(self)[2:]:
+            value = getattr(self, f.name)
+            _require(
+                isinstance(value, bool),
+                f"profiler_config.{f.name} must be true or false, got {value!r}",
+            )
+        if self.profiler is None:
+            return
+        _require(
+            isinstance(self.torch_profiler_dir, str) and bool(self.torch_profiler_dir),
+            'profiler_config {"profiler": "torch"} needs "torch_profiler_dir": the folder the '
+            "traces are written to",
+        )
+        object.__setattr__(self, "torch_profiler_dir", os.path.abspath(self.torch_profiler_dir))
+
+    def require_on(self) -> None:
+        """Raises RuntimeError, saying how to turn it on, when profiling is off."""
+        if self.profiler is None:
+            raise RuntimeError(
+                "profiling is off: start the engine with profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': DIR} (the server: --profiler-config "
+                '\'{"profiler": "torch", "torch_profiler_dir": "DIR"}\')'
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> ProfilerConfig:
+        """Raises ValueError for a key that is not a field, listing the fields."""
+        values = values or {}
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        _require(not unknown, f"unknown profiler_config key(s) {unknown}; valid ones: {names}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -196,3 +254,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     lora_config: LoRAConfig | None = None  # None: LoRA requests are refused
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)

@@ -22,6 +22,7 @@ from v1engine.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
 )
 
@@ -87,6 +88,10 @@ class EngineArgs:
     # vLLM's: the most logprobs / prompt logprobs per token a request may ask for (-1: no limit;
     # a request may then ask for -1, the whole vocabulary).
     max_logprobs: int = 20
+    # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} lets LLM.start_profile() and the
+    # server's /start_profile record the workers' steps (config.ProfilerConfig has the keys); a
+    # JSON object on the command line.
+    profiler_config: dict[str, Any] | ProfilerConfig | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
@@ -117,6 +122,11 @@ class EngineArgs:
             ),
             device_config=DeviceConfig(device=self.device),
             lora_config=self._lora_config(model_config.runner_type),
+            profiler_config=(
+                self.profiler_config
+                if isinstance(self.profiler_config, ProfilerConfig)
+                else ProfilerConfig.from_dict(self.profiler_config)
+            ),
         )
         if hf_config is not None:
             from v1engine.model.hf_config import check_tensor_parallel_shape, get_architecture

@@ -204,11 +204,13 @@ class EngineCoreProc:
         assert self.engine_core is not None
         if call.method == "reset_prefix_cache":
             return self.engine_core.reset_prefix_cache()
+        if call.method == "profile":
+            return self.engine_core.profile(**call.kwargs)
         if call.method == "collective_rpc":
             return self.engine_core.executor.run_rpc(RpcCall.from_wire(call.kwargs))
         raise ValueError(
             f"unknown utility method {call.method!r}; the engine core serves "
-            "'collective_rpc' and 'reset_prefix_cache'"
+            "'collective_rpc', 'profile' and 'reset_prefix_cache'"
         )
 
     # -- output and shut-down ------------------------------------------------------------------

@@ -44,6 +44,9 @@ logger = init_logger(__name__)
 # How long a step with nothing to run waits for a grammar to compile before returning (so the
 # engine core's loop reads its input again).
 _GRAMMAR_WAIT_S = 0.01
+# How long the workers may take to start or stop a profile: a stop writes the traces, which vLLM's
+# docs say takes minutes for a long profile of a big model.
+PROFILE_RPC_TIMEOUT_S = 1800.0
 
 
 class EngineCore:
@@ -204,6 +207,17 @@ class EngineCore:
         unique_reply_rank: int | None = None,
     ) -> Any:
         return self.executor.run_rpc(RpcCall(method, args, kwargs, timeout, unique_reply_rank))
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Starts or stops every worker's torch.profiler session (`worker/profiler.py`).
+
+        Raises:
+            RuntimeError: profiling is off (no `profiler_config.profiler`), or a worker refused
+                (a start while one runs, a stop while none does), naming its rank.
+        """
+        self.config.profiler_config.require_on()
+        call = RpcCall("profile", (is_start, profile_prefix), timeout=PROFILE_RPC_TIMEOUT_S)
+        self.executor.run_rpc(call)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""

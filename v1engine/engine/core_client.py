@@ -58,7 +58,8 @@ SEND_RETRY_SLICE_S = 0.01
 class EngineCoreClient(ABC):
     """The front end's handle on an EngineCore. Sync clients offer `add_request(request)`,
     `abort_requests(ids)`, `get_output(timeout) -> EngineCoreOutputs`, `collective_rpc(...)`,
-    `reset_prefix_cache() -> bool` and `shutdown()`; AsyncMPClient the same as coroutines.
+    `reset_prefix_cache() -> bool`, `profile(is_start, profile_prefix)` and `shutdown()`;
+    AsyncMPClient the same as coroutines.
 
     Raises (every call):
         EngineDeadError: the engine core or one of its workers died, or the client was shut down.
@@ -150,6 +151,10 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         with self._guard():
             return self.engine_core.reset_prefix_cache()
+
+    def profile(self, is_start: bool, profile_prefix: str | None = None) -> None:
+        with self._guard():
+            self.engine_core.profile(is_start, profile_prefix)
 
     def shutdown(self) -> None:
         if self._dead_reason is None:
@@ -333,6 +338,10 @@ class AsyncMPClient(MPClient):
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call(*self._utility_frames("reset_prefix_cache"))
+
+    async def profile(self, is_start: bool, profile_prefix: str | None = None) -> None:
+        frames = self._utility_frames("profile", is_start=is_start, profile_prefix=profile_prefix)
+        await self._call(*frames)
 
     def shutdown(self) -> None:
         reason = "the engine core client was shut down"

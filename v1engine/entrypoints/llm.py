@@ -324,6 +324,15 @@ class LLM:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""
         return self.llm_engine.client.reset_prefix_cache()
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Starts recording every worker's steps with torch.profiler (needs `profiler_config`;
+        `profile_prefix` begins the trace files' names). RuntimeError when profiling is off."""
+        self.llm_engine.client.profile(True, profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stops the profile: each rank writes its trace and op table (worker/profiler.py)."""
+        self.llm_engine.client.profile(False)
+
     # -- steps ---------------------------------------------------------------------------------
     def _run(
         self, num_prompts: int, add: Callable[[str, int], None], use_tqdm: UseTqdm, desc: str

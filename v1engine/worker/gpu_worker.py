@@ -36,6 +36,7 @@ from v1engine.worker.memory import (
     profile_cpu,
     profile_cuda,
 )
+from v1engine.worker.profiler import WorkerProfiler
 from v1engine.worker.worker_base import WorkerBase
 
 logger = init_logger(__name__)
@@ -66,6 +67,7 @@ class Worker(WorkerBase):
         self.model_runner: GPUModelRunner | None = None
         self.memory_profile: MemoryProfile | None = None
         self.cpu_threads: CpuThreadGovernor | None = None
+        self.profiler: WorkerProfiler | None = None
 
     # -- start-up -------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -185,6 +187,19 @@ class Worker(WorkerBase):
         if self.cpu_threads is not None:
             self.cpu_threads.before_step(scheduler_output.total_num_scheduled_tokens)
         return self.model_runner.execute_model(scheduler_output)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> str | None:
+        """Starts (`is_start`) or stops this rank's torch.profiler session (worker/profiler.py);
+        a stop returns the trace's path. Raises RuntimeError when the engine's profiler_config
+        has no profiler, or for a start while one runs or a stop while none does."""
+        if self.profiler is None:
+            config = self.config.profiler_config
+            config.require_on()
+            self.profiler = WorkerProfiler(config, self.rank, self.device)
+        if is_start:
+            self.profiler.start(profile_prefix)
+            return None
+        return self.profiler.stop()
 
     def check_health(self) -> None:
         if self.device is not None and self.device.type == "cuda":

@@ -5,12 +5,14 @@ the response, one id may serve two requests at once, a bad id is a 400 naming wh
 names every request's logprob tokens by id, --enable-log-requests logs requests (prompts cut to
 --max-log-len), --allowed-origins limits CORS to the origins given, --scheduling-policy priority
 takes each request's `priority`, --root-path serves behind a proxy's prefix,
---disable-fastapi-docs serves no docs, and the periodic stats line (vLLM's "Avg prompt
-throughput: ...") reports the work done."""
+--disable-fastapi-docs serves no docs, --profiler-config serves /start_profile and /stop_profile,
+and the periodic stats line (vLLM's "Avg prompt throughput: ...") reports the work done."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import glob
+import json
 import re
 import time
 
@@ -27,8 +29,15 @@ ORIGIN = "https://ui.example"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    flags = ("--enable-request-id-headers", "--return-tokens-as-token-ids")
+def traces(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("traces"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, traces):
+    profiler = json.dumps({"profiler": "torch", "torch_profiler_dir": traces})
+    flags = ("--profiler-config", profiler)
+    flags += ("--enable-request-id-headers", "--return-tokens-as-token-ids")
     flags += ("--enable-log-requests", "--max-log-len", "10")
     flags += ("--allowed-origins", f'["{ORIGIN}"]', "--scheduling-policy", "priority")
     flags += ("--root-path", "/llm", "--disable-fastapi-docs")
@@ -48,6 +57,19 @@ def test_behind_a_proxy_that_strips_its_prefix_the_routes_answer(server):
     for path in ("/health", "/v1/models"):
         assert httpx.get(server.url + path).status_code == 200, path
     assert httpx.get(server.url + "/openapi.json").status_code == 404  # no docs
+
+
+def test_a_profile_of_served_requests_is_written_by_the_worker(server, client, traces):
+    assert httpx.post(server.url + "/start_profile").status_code == 200
+    again = httpx.post(server.url + "/start_profile")
+    assert again.status_code == 400
+    assert "already running on rank 0" in again.json()["error"]["message"]
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4).usage
+    assert httpx.post(server.url + "/stop_profile").status_code == 200
+    (trace,) = glob.glob(f"{traces}/rank0.*.pt.trace.json.gz")
+    (table,) = glob.glob(f"{traces}/rank0.*.txt")
+    assert "Self CPU" in open(table).read()
+    assert "no profile is running" in httpx.post(server.url + "/stop_profile").text
 
 
 def test_the_clients_id_names_the_response(client):

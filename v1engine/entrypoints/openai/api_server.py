@@ -65,6 +65,7 @@ from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
 from v1engine.entrypoints.openai.tls import uvicorn_tls_kwargs
+from v1engine.executor.errors import WorkerError
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -210,6 +211,28 @@ async def create_rerank(request: RerankRequest, raw_request: Request) -> Respons
     return await _state(raw_request).score.create_rerank(request, raw_request)
 
 
+# vLLM's profiling routes: `build_app` adds them only for an engine with a profiler_config.
+profile_router = APIRouter()
+
+
+@profile_router.post("/start_profile")
+async def start_profile(raw_request: Request) -> Response:
+    return await _profile(raw_request, is_start=True)
+
+
+@profile_router.post("/stop_profile")
+async def stop_profile(raw_request: Request) -> Response:
+    return await _profile(raw_request, is_start=False)
+
+
+async def _profile(raw_request: Request, is_start: bool) -> Response:
+    try:
+        await _state(raw_request).engine.client.profile(is_start)
+    except WorkerError as e:  # a start while a profile runs, or a stop while none does
+        raise APIError(e.summary) from e
+    return Response(status_code=HTTPStatus.OK)
+
+
 def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
     http = http or HTTPOptions()
     no_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
@@ -217,6 +240,8 @@ def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
     app = FastAPI(title="v1engine", version=__version__, **docs)
     app.state.server = state
     app.include_router(router)
+    if state.engine.config.profiler_config.profiler is not None:
+        app.include_router(profile_router)
     # The last added runs first: errors wrap everything, and the key is checked before the body
     # is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_request_body_bytes)
