@@ -74,8 +74,8 @@ class EngineArgs:
     # vLLM's: values set over the checkpoint's config.json (e.g. {"max_position_embeddings":
     # 4096}), for the engine and its workers alike; a JSON object on the command line.
     hf_overrides: dict[str, Any] | None = None
-    # The server's periodic stats line (engine/stat_logger.py); `LLM` never logs it (it
-    # refuses False, which would ask for stats it cannot give).
+    # Metrics and the periodic stats line (engine/stat_logger.py): the server's are on by
+    # default; `LLM`'s off (vLLM's defaults), False there enables `LLM.get_metrics()`.
     disable_log_stats: bool = False
     # vLLM's: "pooling" serves embeddings (LLM.embed, /v1/embeddings) instead of generating.
     runner: str = "auto"

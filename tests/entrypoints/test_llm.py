@@ -175,12 +175,6 @@ def test_a_checkpoint_without_tokenizer_files_fails_with_the_fix_and_stops_its_e
         make_llm(llama_checkpoint, skip_tokenizer_init=False)
 
 
-def test_disable_log_stats_false_is_refused_before_an_engine_starts():
-    # The stats line is the server's: LLM would silently log nothing.
-    with pytest.raises(ValueError, match="LLM logs no stats"):
-        make_llm("never-read", disable_log_stats=False)
-
-
 def test_invalid_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)

@@ -358,12 +358,8 @@ class AsyncLLM:
             self._set_dead(f"the engine output loop failed: {type(e).__name__}: {e}")
 
     async def _process(self, outputs: EngineCoreOutputs) -> None:
-        if outputs.scheduler_stats is not None:
-            self.metrics.update_scheduler_stats(outputs.scheduler_stats)
-        self.metrics.observe_outputs(outputs)
         request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
-        for core_id in to_abort:  # finished by a stop string, which only the front end sees
-            self.metrics.finish_request(core_id, "stop")
+        self.metrics.record_step(outputs, to_abort)
         for request_output in request_outputs:
             queue = self._queues.get(request_output.request_id)
             if queue is not None:

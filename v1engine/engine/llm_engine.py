@@ -11,17 +11,25 @@ It owns the in-process engine-core client (`client`: also `collective_rpc` and
 output processor (core outputs -> RequestOutputs). Each `step()` runs one engine step in this
 thread and returns an output for every request it advanced. `LLM.generate` is this loop run to
 the end; the API server uses `AsyncLLM` instead, whose core runs in its own process.
+
+With `log_stats` (vLLM's `disable_log_stats=False`) it records the server's Prometheus metrics
+(engine/metrics.py), read with `get_metrics()`, and logs the server's stats line every
+V1ENGINE_LOG_STATS_INTERVAL seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from v1engine.engine.core_client import EngineCoreClient, EngineDeadError
+from v1engine.engine.metrics import ServerMetrics
+from v1engine.engine.metrics_reader import Metric, get_metrics_snapshot
 from v1engine.engine.output_processor import OutputKind, OutputProcessor
 from v1engine.engine.processor import Processor, PromptType, as_parent_error
+from v1engine.engine.stat_logger import LoggingStatLogger, log_stats_interval_s
 from v1engine.engine_args import EngineArgs
 from v1engine.lora.request import LoRARequest
 from v1engine.pooling_params import PoolingParams
@@ -33,26 +41,38 @@ if TYPE_CHECKING:
     from v1engine.config import EngineConfig
     from v1engine.core.engine_core import EngineCore
     from v1engine.outputs import PoolingRequestOutput, RequestOutput
-    from v1engine.request import EngineCoreRequest
+    from v1engine.request import EngineCoreOutputs, EngineCoreRequest
 
 
 class LLMEngine:
     """The engine core in this process (its workers are processes), fed and read step by step.
-    `skip_tokenizer_init`: no tokenizer; prompts must be token ids."""
+    `skip_tokenizer_init`: no tokenizer; prompts must be token ids. `log_stats`: record metrics
+    and log the stats line."""
 
-    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, skip_tokenizer_init: bool = False, log_stats: bool = False
+    ) -> None:
         self.config = config
         self.client, self.tokenizer = EngineCoreClient.start_with_tokenizer(
             config, multiprocess=False, skip_tokenizer=skip_tokenizer_init
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.processor = Processor(config, self.tokenizer, self.output_processor, self.client.info)
+        self.metrics: ServerMetrics | None = None
+        if log_stats:
+            model_config = config.model_config
+            self.metrics = ServerMetrics(model_config.model, model_config.max_model_len)
+            self.metrics.set_engine_info(config.cache_config, self.client.info)
+            self._stat_logger = LoggingStatLogger(self.metrics)
+            self._log_interval_s = log_stats_interval_s()
+            self._next_log_s = time.monotonic() + self._log_interval_s
 
     @classmethod
     def from_engine_args(
         cls, engine_args: EngineArgs, skip_tokenizer_init: bool = False
     ) -> LLMEngine:
-        return cls(engine_args.create_engine_config(), skip_tokenizer_init)
+        config = engine_args.create_engine_config()
+        return cls(config, skip_tokenizer_init, log_stats=not engine_args.disable_log_stats)
 
     @property
     def engine_core(self) -> EngineCore:
@@ -91,19 +111,29 @@ class LLMEngine:
             raise TypeError(
                 f"params must be SamplingParams or PoolingParams, got {type(params).__name__}"
             )
-        self.add_core_requests(request_id, requests)
+        max_tokens = getattr(params, "max_tokens", None)  # as asked (a pooling request: None)
+        self.add_core_requests(request_id, requests, max_tokens)
+        if self.metrics is not None and isinstance(params, SamplingParams):
+            self.metrics.observe_new_request(params.n)
 
-    def add_core_requests(self, request_id: str, requests: list[EngineCoreRequest]) -> None:
+    def add_core_requests(
+        self, request_id: str, requests: list[EngineCoreRequest], max_tokens: int | None = None
+    ) -> None:
         """Sends the core requests the processor made for front-end request `request_id` (its
-        n children, or itself); if the core refuses one, the whole request is aborted."""
+        n children, or itself); if the core refuses one, the whole request is aborted.
+        `max_tokens`: the request's, as asked, for the metrics."""
         try:
             for request in requests:
+                if self.metrics is not None:
+                    num_prompt_tokens = len(request.prompt_token_ids)
+                    self.metrics.add_request(request.request_id, num_prompt_tokens, max_tokens)
                 try:
                     self.client.add_request(request)
                 except ValueError as e:
                     raise as_parent_error(e, request.request_id, request_id) from e
-        except BaseException:
-            self.abort_request(request_id)
+        except BaseException as e:
+            # A refused request is forgotten uncounted; one cut by Ctrl-C counts as aborted.
+            self._abort([request_id], None if isinstance(e, ValueError) else "abort")
             raise
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
@@ -111,16 +141,44 @@ class LLMEngine:
         no request is unfinished). A request a stop string ended is aborted in the core here."""
         if not self.output_processor.has_unfinished_requests():
             return []
-        outputs = self.client.get_output().outputs
-        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        outputs = self.client.get_output()
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs.outputs)
         if to_abort:  # stopped by a stop string while the core was still running it
             self.client.abort_requests(to_abort)
+        if self.metrics is not None:
+            self._record(outputs, to_abort)
         return request_outputs
+
+    def _record(self, outputs: EngineCoreOutputs, stopped_ids: list[str]) -> None:
+        self.metrics.record_step(outputs, stopped_ids)
+        if not self.output_processor.has_unfinished_requests():
+            self.metrics.reset_idle_gauges()  # the core's last stats still count the last ones
+        if time.monotonic() >= self._next_log_s:
+            self._stat_logger.log()
+            self._next_log_s = time.monotonic() + self._log_interval_s
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of every metric (engine/metrics_reader.py).
+
+        Raises:
+            RuntimeError: the engine records none (started with disable_log_stats=True).
+        """
+        if self.metrics is None:
+            raise RuntimeError(
+                "this engine records no metrics: start it with disable_log_stats=False "
+                "(LLM(..., disable_log_stats=False)) to read them with get_metrics()"
+            )
+        return get_metrics_snapshot(self.metrics.registry)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Forgets these requests (and their n children): no further outputs come for them."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        core_ids = self.processor.abort(ids)
+        self._abort([request_ids] if isinstance(request_ids, str) else list(request_ids), "abort")
+
+    def _abort(self, request_ids: list[str], outcome: str | None) -> None:
+        core_ids = self.processor.abort(request_ids)
+        if self.metrics is not None:
+            for core_id in core_ids:
+                self.metrics.finish_request(core_id, outcome)
         with contextlib.suppress(EngineDeadError):  # a dead engine has nothing left to abort
             self.client.abort_requests(core_ids)
 

@@ -230,6 +230,15 @@ class ServerMetrics:
         self.max_loras = max_loras
 
     # -- recording ---------------------------------------------------------------------------
+    def record_step(self, outputs: EngineCoreOutputs, stopped_ids: list[str]) -> None:
+        """One engine step: its scheduler stats and outputs; `stopped_ids` are the requests
+        the front end finished by a stop string (which only it sees)."""
+        if outputs.scheduler_stats is not None:
+            self.update_scheduler_stats(outputs.scheduler_stats)
+        self.observe_outputs(outputs)
+        for core_id in stopped_ids:
+            self.finish_request(core_id, "stop")
+
     def update_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)

@@ -21,6 +21,7 @@ from v1engine.engine.beam_search import (
 )
 from v1engine.engine.generation_defaults import describe
 from v1engine.engine.llm_engine import LLMEngine
+from v1engine.engine.metrics_reader import Metric
 from v1engine.engine.processor import PromptType
 from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.engine_args import EngineArgs
@@ -66,19 +67,16 @@ class LLM:
     def __init__(
         self, model: str | None = None, skip_tokenizer_init: bool = False, **engine_args: Any
     ) -> None:
-        if engine_args.get("disable_log_stats") is False:
-            raise ValueError(
-                "disable_log_stats=False: LLM logs no stats (the periodic stats line is the API "
-                "server's, python -m v1engine.serve); drop the argument"
-            )
+        engine_args.setdefault("disable_log_stats", True)  # vLLM's LLM default: no metrics
         if model is None:
             from v1engine.model.hf_config import default_model_path
 
             model = default_model_path()
-        self.config = EngineArgs.from_kwargs(model=model, **engine_args).create_engine_config()
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.config = args.create_engine_config()
         if self.config.model_config.sampling_defaults:
             logger.info(describe(self.config.model_config))
-        self.llm_engine = LLMEngine(self.config, skip_tokenizer_init)
+        self.llm_engine = LLMEngine(self.config, skip_tokenizer_init, not args.disable_log_stats)
         self.processor, self.tokenizer = self.llm_engine.processor, self.llm_engine.tokenizer
         self._request_ids = itertools.count()
 
@@ -324,13 +322,16 @@ class LLM:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""
         return self.llm_engine.client.reset_prefix_cache()
 
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now (needs `disable_log_stats=False`; `LLMEngine.get_metrics`)."""
+        return self.llm_engine.get_metrics()
+
     def start_profile(self, profile_prefix: str | None = None) -> None:
-        """Starts recording every worker's steps with torch.profiler (needs `profiler_config`;
-        `profile_prefix` begins the trace files' names). RuntimeError when profiling is off."""
+        """Starts every worker's torch.profiler session (`profiler_config`; worker/profiler.py)."""
         self.llm_engine.client.profile(True, profile_prefix)
 
     def stop_profile(self) -> None:
-        """Stops the profile: each rank writes its trace and op table (worker/profiler.py)."""
+        """Stops the profile: each rank writes its trace and its table of ops."""
         self.llm_engine.client.profile(False)
 
     # -- steps ---------------------------------------------------------------------------------
