@@ -7,13 +7,15 @@ the Responses API's events in OpenAI's order, numbered, and adding up to the fin
 input items (messages, function calls and their outputs, instructions, a previous response's
 conversation) render the prompt that the equivalent chat messages render (/tokenize counts it);
 `text.format` and tool choices constrain the output; stored responses can be retrieved, chained
-and deleted; bad input is a 400 or 404 naming the field while the server keeps serving.
+and deleted; background responses are polled to the same reply, or cancelled (aborted in the
+engine); bad input is a 400 or 404 naming the field while the server keeps serving.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Literal
 
 import httpx
@@ -22,8 +24,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.entrypoints.openai.server_utils import openai_client, serve_module
+from tests.entrypoints.openai.server_utils import metric, openai_client, serve_module
 from tests.entrypoints.openai.test_serve_structured import SCHEMA, TEMPLATE, TOOLS, WEATHER
+from tests.timeouts import scaled
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
@@ -177,6 +180,50 @@ def test_stored_responses_are_retrieved_and_deleted(client) -> None:
         client.responses.retrieve(unstored.id)
 
 
+def _poll(client, response_id: str, timeout_s: float):
+    deadline = time.monotonic() + scaled(timeout_s)
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, f"{response_id} still {response.status}"
+        time.sleep(0.05)
+    return response
+
+
+def test_a_background_response_is_polled_to_the_reply_it_would_have_given(client) -> None:
+    whole = client.responses.create(model=MODEL, input="Hi there", **GREEDY)
+    started = client.responses.create(model=MODEL, input="Hi there", background=True, **GREEDY)
+    assert started.status == "queued" and started.background and not started.output
+    done = _poll(client, started.id, 120)
+    assert done.status == whole.status and done.output_text == whole.output_text
+    assert done.usage.output_tokens == whole.usage.output_tokens
+    # Stored with its conversation: it can be continued.
+    assert client.responses.create(
+        model=MODEL, input="And?", previous_response_id=done.id, **GREEDY
+    ).output_text
+    with pytest.raises(openai.BadRequestError, match="is already (completed|incomplete)"):
+        client.responses.cancel(done.id)
+
+
+def test_a_cancelled_background_response_stops_in_the_engine(client, server) -> None:
+    long = {"temperature": 0.0, "max_output_tokens": 200}
+    started = client.responses.create(model=MODEL, input="Tell me", background=True, **long)
+    with pytest.raises(openai.BadRequestError, match="only a completed") as info:
+        client.responses.create(model=MODEL, input="x", previous_response_id=started.id)
+    assert info.value.body["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.cancel(started.id).status == "cancelled"  # again: the same
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    deadline = time.monotonic() + scaled(30)
+    while metric(server, 'vllm:num_requests_running{model_name="tiny"}') > 0:
+        assert time.monotonic() < deadline, "the cancelled request still runs in the engine"
+        time.sleep(0.05)
+    plain = client.responses.create(model=MODEL, input="Hi", **GREEDY)
+    with pytest.raises(openai.BadRequestError, match="background: false"):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_nope")
+
+
 def test_text_format_json_schema_constrains_the_output(client) -> None:
     text = {"format": {"type": "json_schema", "name": "thing", "schema": SCHEMA, "strict": True}}
     response = client.responses.create(
@@ -276,7 +323,8 @@ def test_logprobs_come_with_the_output_text_when_included(client) -> None:
             "input",
             "call_id",
         ),
-        ({"input": "x", "background": True}, "background", "background"),
+        ({"input": "x", "background": True, "store": False}, "background", "store: true"),
+        ({"input": "x", "background": True, "stream": True}, "background", "no stream"),
         ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
         ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens", "context length"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -294,3 +342,11 @@ def test_an_unknown_model_is_a_404(client) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model="nope", input="x")
     assert info.value.body["param"] == "model"
+
+
+def test_zz_the_server_stops_cleanly_with_a_background_response_running(client) -> None:
+    # Last in the module: the fixture then stops the server, which must exit 0 without a
+    # traceback while this response still runs (it is cancelled and aborted in the engine).
+    long = {"temperature": 0.0, "max_output_tokens": 200}
+    started = client.responses.create(model=MODEL, input="Go on", background=True, **long)
+    assert client.responses.retrieve(started.id).status in ("queued", "in_progress")

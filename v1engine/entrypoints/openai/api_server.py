@@ -180,6 +180,11 @@ async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     return _state(raw_request).responses.retrieve(response_id)
 
 
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, raw_request: Request) -> Response:
+    return await _state(raw_request).responses.cancel(response_id)
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, raw_request: Request) -> Response:
     return _state(raw_request).responses.delete(response_id)
@@ -323,6 +328,7 @@ async def serve(
         if stats is not None:
             stats.cancel()
             await asyncio.gather(stats, return_exceptions=True)
+        await state.responses.background.stop()  # aborts their requests while the engine runs
         await engine.stop()
         engine.client.shutdown()
     if engine_died:

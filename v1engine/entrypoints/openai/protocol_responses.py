@@ -168,16 +168,24 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    """Why a background response failed (OpenAI's `error`)."""
+
+    code: str
+    message: str
+
+
 class ResponsesResponse(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=_now)
     model: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    # "queued", "cancelled" and "failed" are a background response's (responses_background.py).
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     output: list[OutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     # The request's settings, echoed as OpenAI does.
     instructions: str | None = None
     previous_response_id: str | None = None

@@ -117,8 +117,11 @@ class OpenAIServingChat(OpenAIServing):
         )
         return ChatRun(request, request_id, runs, mode, opened)
 
-    async def final_response(self, run: ChatRun, raw_request: Request) -> ChatCompletionResponse:
-        """The whole reply of a request started with `stream: false`.
+    async def final_response(
+        self, run: ChatRun, raw_request: Request | None
+    ) -> ChatCompletionResponse:
+        """The whole reply of a request started with `stream: false` (`raw_request` None: no
+        client to watch for a disconnect).
 
         Raises:
             APIError: 503 when the engine died, 400 when the request was aborted.

@@ -304,16 +304,8 @@ class OpenAIServing:
             )
         if isinstance(x.params, PoolingParams):
             return self.engine.encode(engine_id, x.prompt_token_ids, x.params, x.priority)
-        return self.engine.add_request(
-            engine_id,
-            x.prompt,
-            x.prompt_token_ids,
-            x.params,
-            output_kind,
-            x.priority,
-            x.cache_salt,
-            x.lora_request,
-        )
+        rest = (output_kind, x.priority, x.cache_salt, x.lora_request)
+        return self.engine.add_request(engine_id, x.prompt, x.prompt_token_ids, x.params, *rest)
 
     def abort_all(self, request_ids: list[str]) -> None:
         """Aborts the engine requests still running (a no-op for finished or unknown ids)."""
@@ -321,10 +313,10 @@ class OpenAIServing:
             self.engine.abort(request_id)
 
     async def wait_for_final_outputs(
-        self, runs: list[EngineRun], raw_request: Request
+        self, runs: list[EngineRun], raw_request: Request | None
     ) -> list[RequestOutput]:
-        """Each engine request's final output; aborts them all when the client disconnects or
-        one of them fails.
+        """Each engine request's final output; aborts them all when the client disconnects
+        (`raw_request` None: none waits), one of them fails, or this is cancelled.
 
         Raises:
             APIError: 503 when the engine died; 400 when aborted (nobody is left to read it).
@@ -377,8 +369,10 @@ def _add_error(error: BaseException, index: int | None, param: str) -> BaseExcep
 
 
 async def _abort_on_disconnect(
-    raw_request: Request, serving: OpenAIServing, request_ids: list[str]
+    raw_request: Request | None, serving: OpenAIServing, request_ids: list[str]
 ) -> None:
+    if raw_request is None:
+        return  # no client waits for the reply (a background response)
     # Once the body is read, the next ASGI message is the disconnect (or, from uvicorn, a
     # disconnect once the response is complete, by which time this task is cancelled).
     while (await raw_request.receive())["type"] != "http.disconnect":
