@@ -20,10 +20,10 @@ from v1engine.entrypoints.openai.serving_options import ServingOptions
 
 
 def scripted_chat(
-    tokenizer, options: ServingOptions, reply: str, stream: bool, **body
+    tokenizer, options: ServingOptions, reply: str, stream: bool, added: list | None = None, **body
 ) -> httpx.Response:
     """The response to one chat request (`body` over a one-message default) whose engine
-    replies `reply`."""
+    replies `reply`; `added` gets the engine request it was sent as."""
 
     async def scenario() -> httpx.Response:
         client = FakeClient()
@@ -41,10 +41,12 @@ def scripted_chat(
                 adding.cancel()
                 await engine.stop()
                 return await sent
-            (added,) = adding.result()
+            (request,) = adding.result()
+            if added is not None:
+                added.append(request)
             for token_id in tokenizer.encode(reply):
-                client.push(added.request_id, [token_id])
-            client.push(added.request_id, [tokenizer.eos_token_id], "stop")
+                client.push(request.request_id, [token_id])
+            client.push(request.request_id, [tokenizer.eos_token_id], "stop")
             response = await sent
         await engine.stop()
         return response

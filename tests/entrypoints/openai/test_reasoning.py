@@ -140,3 +140,38 @@ def test_include_reasoning_false_leaves_the_thinking_out(tokenizer, stream):
         reasoning = "".join(d.get("reasoning") or "" for d in deltas) or None
         content = "".join(d.get("content") or "" for d in deltas)
     assert (reasoning, content) == (None, "Hello! How can I help?")
+
+
+# Shows what the template got: the variables, then the last message.
+EFFORT_TEMPLATE = (
+    "{% if enable_thinking is defined %}thinking={{ enable_thinking }};{% endif %}"
+    "{% if reasoning_effort is defined %}effort={{ reasoning_effort }};{% endif %}"
+    "{{ messages[-1]['content'] }}"
+)
+
+
+@pytest.mark.parametrize(
+    "body, prompt",
+    [
+        ({}, "hi"),
+        ({"reasoning_effort": "low"}, "thinking=True;effort=low;hi"),
+        ({"reasoning_effort": "none"}, "thinking=False;effort=none;hi"),
+        # The request's own template variables win.
+        (
+            {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+            "thinking=True;effort=none;hi",
+        ),
+    ],
+)
+def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it(tokenizer, body, prompt):
+    options, added = ServingOptions(chat_template=EFFORT_TEMPLATE), []
+    response = scripted_chat(tokenizer, options, "ok", False, added=added, **body)
+    assert response.status_code == 200
+    assert tokenizer.decode(added[0].prompt_token_ids) == prompt
+
+
+def test_an_unknown_reasoning_effort_is_a_400_naming_it(tokenizer):
+    options = ServingOptions(chat_template=EFFORT_TEMPLATE)
+    response = scripted_chat(tokenizer, options, "ok", False, reasoning_effort="extreme")
+    assert response.status_code == 400
+    assert "reasoning_effort" in response.json()["error"]["message"]

@@ -79,6 +79,7 @@ def test_the_request_becomes_chats() -> None:
             "top_k": 4,
             "unknown": 1,
             "include": ["message.output_text.logprobs", "reasoning.encrypted_content"],
+            "reasoning": {"effort": "high", "summary": "auto"},
         }
     )
     chat = chat_request(request, input_messages(request.input))
@@ -87,8 +88,13 @@ def test_the_request_becomes_chats() -> None:
     assert chat.tools[0].function.name == "f" and chat.tool_choice.function.name == "f"
     assert chat.response_format.json_schema.json_schema == {"type": "object"}
     assert (chat.logprobs, chat.top_logprobs) == (True, 3)
-    # The Responses request's, logged by chat's check: an `include` it cannot honour too.
-    assert chat.ignored_fields == ["unknown", "include.reasoning.encrypted_content"]
+    assert chat.reasoning_effort == "high"
+    # The Responses request's, logged by chat's check: what it cannot honour too.
+    assert chat.ignored_fields == [
+        "unknown",
+        "include.reasoning.encrypted_content",
+        "reasoning.summary",
+    ]
 
 
 def _response(response_id: str) -> ResponsesResponse:

@@ -23,6 +23,7 @@ from v1engine.entrypoints.openai.protocol_structured import (
     ToolCall,
     ToolChoice,
 )
+from v1engine.entrypoints.openai.reasoning import ReasoningEffort
 from v1engine.sampling_params import SamplingParams
 
 # One prompt: text or token ids; a completion request may also send a list of prompts.
@@ -234,6 +235,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # the reply extends the last (assistant) message
     add_special_tokens: bool = False  # the template writes those it wants (BOS, role markers)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    reasoning_effort: ReasoningEffort | None = None  # to the template, as vLLM (reasoning.py)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: bool = True

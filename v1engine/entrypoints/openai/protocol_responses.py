@@ -19,6 +19,7 @@ from v1engine.entrypoints.openai.protocol import (
     _now,
 )
 from v1engine.entrypoints.openai.protocol_structured import JsonSchemaFormat, _Part
+from v1engine.entrypoints.openai.reasoning import ReasoningEffort
 
 
 class FunctionTool(_Part):
@@ -64,6 +65,13 @@ class TextConfig(_Part):
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
+class ReasoningConfig(_NotesIgnoredFields):
+    """OpenAI's `reasoning`: its `effort` goes to the chat template (as chat's
+    `reasoning_effort`); `summary` and the rest are logged as ignored."""
+
+    effort: ReasoningEffort | None = None
+
+
 class ResponsesRequest(_NotesIgnoredFields):
     model: str | None = None
     # A user message, or a list of items: messages, function calls and their outputs.
@@ -84,8 +92,9 @@ class ResponsesRequest(_NotesIgnoredFields):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Refused when set otherwise: a response runs while its request waits, and is never cut.
+    # Return at once and generate in the server (responses_background.py).
     background: bool = False
+    reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
     # vLLM's sampling extras, as chat takes them.
     request_id: str | None = None
@@ -100,6 +109,8 @@ class ResponsesRequest(_NotesIgnoredFields):
     def ignored_fields(self) -> list[str]:
         """The body's unknown fields, and the `include` values this server does not send."""
         ignored = [f"include.{value}" for value in self.include or [] if value != LOGPROBS_INCLUDE]
+        if self.reasoning is not None:
+            ignored += [f"reasoning.{name}" for name in self.reasoning.ignored_fields]
         return self._ignored_fields + ignored
 
     @property

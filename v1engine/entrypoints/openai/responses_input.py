@@ -52,6 +52,7 @@ def chat_request(request: ResponsesRequest, conversation: list[Message]) -> Chat
         "tools": None if request.tools is None else [_chat_tool(t) for t in request.tools],
         "tool_choice": _chat_tool_choice(request.tool_choice),
         "response_format": _response_format(request),
+        "reasoning_effort": request.reasoning and request.reasoning.effort,
     }
     for name in ("temperature", "top_p", "parallel_tool_calls", "user", "request_id", "seed"):
         fields[name] = getattr(request, name)
