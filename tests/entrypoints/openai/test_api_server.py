@@ -13,6 +13,7 @@ import traceback
 import httpx
 import pytest
 
+from tests.timeouts import scaled
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.engine.async_llm import AsyncLLM
@@ -111,6 +112,28 @@ def test_engine_death_fails_requests_turns_health_503_and_stops_the_server(token
     assert events[-1] == "[DONE]"
     assert health.status_code == 503 and late.status_code == 503
     assert dead_calls == [True]
+
+
+def test_a_background_response_fails_with_the_engines_death_in_its_error(tokenizer):
+    async def scenario():
+        client = FakeClient()
+        engine, http, _ = _make(tokenizer, client)
+        body = {"model": "m", "input": "hello", "background": True}
+        started = (await http.post("/v1/responses", json=body)).json()
+        await client.wait_added(1)
+        client.outputs.put_nowait(EngineDeadError("worker rank 1 died"))
+        loop, url = asyncio.get_running_loop(), f"/v1/responses/{started['id']}"
+        deadline = loop.time() + scaled(30)
+        while (polled := (await http.get(url)).json())["status"] in ("queued", "in_progress"):
+            assert loop.time() < deadline, polled
+            await asyncio.sleep(0.01)
+        await engine.stop()
+        return started, polled
+
+    started, polled = asyncio.run(scenario())
+    assert started["status"] == "queued"
+    assert polled["status"] == "failed" and "worker rank 1 died" in polled["error"]["message"]
+    assert polled["error"]["code"] == "server_error"
 
 
 def _worker_fault() -> None:
