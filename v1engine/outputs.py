@@ -18,6 +18,7 @@ from v1engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np
+    import torch
 
 
 @dataclass
@@ -167,6 +168,11 @@ class RequestOutput:
 class EmbeddingOutput:
     embedding: list[float]
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The embedding as a float32 tensor (vLLM's `PoolingOutput.data`)."""
+        return _tensor(self.embedding)
+
 
 @dataclass
 class ClassificationOutput:
@@ -175,6 +181,17 @@ class ClassificationOutput:
     @property
     def num_classes(self) -> int:
         return len(self.probs)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The scores as a float32 tensor (vLLM's `PoolingOutput.data`)."""
+        return _tensor(self.probs)
+
+
+def _tensor(values: list[float]) -> torch.Tensor:
+    import torch  # here: the API server's process never loads torch for its outputs
+
+    return torch.tensor(values, dtype=torch.float32)
 
 
 PooledT = TypeVar("PooledT")  # what a pooling request returns: an embedding, class scores

@@ -66,6 +66,12 @@ def test_class_scores_are_the_softmax_of_transformers_logits(classifier, hf_clas
     assert all_blocks_free(classifier)
 
 
+def test_encode_classifies_with_a_classifier(classifier, hf_classifier):
+    (output,) = classifier.encode(PROMPTS[:1], use_tqdm=False)
+    expected = torch.softmax(hf_logits(hf_classifier, PROMPTS[0]), dim=-1)
+    torch.testing.assert_close(output.outputs.data, expected, atol=2e-5, rtol=1e-4)
+
+
 def test_a_classifier_only_classifies(classifier):
     with pytest.raises(ValueError, match="is a sequence classifier: it classifies, it does not"):
         classifier.embed(PROMPTS[:1])

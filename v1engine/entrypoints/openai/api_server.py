@@ -47,7 +47,11 @@ from v1engine.entrypoints.openai.protocol import (
     CompletionRequest,
     ModelList,
 )
-from v1engine.entrypoints.openai.protocol_pooling import ClassificationRequest, EmbeddingRequest
+from v1engine.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingEndpointRequest,
+)
 from v1engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from v1engine.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from v1engine.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
@@ -60,6 +64,7 @@ from v1engine.entrypoints.openai.serving_models import (
     UnloadLoRAAdapterRequest,
 )
 from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from v1engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -86,6 +91,7 @@ class ServerState:
     embedding: OpenAIServingEmbedding
     score: OpenAIServingScore
     classification: OpenAIServingClassification
+    pooling: OpenAIServingPooling
     tokenization: OpenAIServingTokenization
     metrics: ServerMetrics
     model_path: str
@@ -195,6 +201,11 @@ async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> R
     return await _state(raw_request).embedding.create_embedding(request, raw_request)
 
 
+@router.post("/pooling")
+async def create_pooling(request: PoolingEndpointRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).pooling.create_pooling(request, raw_request)
+
+
 # vLLM serves both with and without /v1 (and /v2/rerank, Cohere's path); only /v1 is guarded by
 # the API key.
 @router.post("/score")
@@ -288,6 +299,7 @@ def build_state(
         embedding=OpenAIServingEmbedding(*serving_args),
         score=OpenAIServingScore(*serving_args),
         classification=OpenAIServingClassification(*serving_args),
+        pooling=OpenAIServingPooling(*serving_args),
         tokenization=OpenAIServingTokenization(*serving_args),
         metrics=engine.metrics,
         model_path=model_path,

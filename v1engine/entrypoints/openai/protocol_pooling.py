@@ -1,5 +1,6 @@
 """Bodies of the pooling endpoints, `POST /v1/embeddings` (OpenAI's field names and vLLM's extra
-fields, so that OpenAI's and vLLM's clients work unchanged) and vLLM's `POST /classify`."""
+fields, so that OpenAI's and vLLM's clients work unchanged) and vLLM's `POST /classify` and
+`POST /pooling`."""
 
 from __future__ import annotations
 
@@ -81,4 +82,26 @@ class ClassificationResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     data: list[ClassificationData]
+    usage: UsageInfo
+
+
+class PoolingEndpointRequest(EmbeddingRequest):
+    """vLLM's /pooling body: an embedding's fields, a classifier's, and the task."""
+
+    task: str | None = None  # "embed" or "classify"; None: the model's
+    use_activation: bool | None = None
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str  # the embedding or the class scores (base64: float32 bytes)
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[PoolingData]
     usage: UsageInfo

@@ -13,13 +13,12 @@ from __future__ import annotations
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from v1engine.entrypoints.openai.protocol import UsageInfo
 from v1engine.entrypoints.openai.protocol_pooling import (
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
 )
-from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from v1engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, prompt_usage
 from v1engine.model.hf_config import classifier_labels
 
 
@@ -34,8 +33,7 @@ class OpenAIServingClassification(OpenAIServingEmbedding):
             classification_data(index, output.outputs.probs, labels)
             for index, output in enumerate(classified)
         ]
-        num_tokens = sum(len(output.prompt_token_ids) for output in classified)
-        usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        usage = prompt_usage(classified)
         response = ClassificationResponse(
             id=request_id, model=self.model_name, data=data, usage=usage
         )

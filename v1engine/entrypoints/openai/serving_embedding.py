@@ -147,14 +147,25 @@ def _response(
     request_id: str,
     model_name: str,
     embedded: list[EmbeddingRequestOutput],
-    encoding_format: str,
+    encoding: str,
 ) -> EmbeddingResponse:
-    data = []
-    for index, output in enumerate(embedded):
-        embedding: list[float] | str = output.outputs.embedding
-        if encoding_format == "base64":
-            embedding = base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode()
-        data.append(EmbeddingData(index=index, embedding=embedding))
-    num_tokens = sum(len(output.prompt_token_ids) for output in embedded)
-    usage = UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
+    data = [
+        EmbeddingData(index=index, embedding=encode_vector(output.outputs.embedding, encoding))
+        for index, output in enumerate(embedded)
+    ]
+    usage = prompt_usage(embedded)
     return EmbeddingResponse(id=request_id, model=model_name, data=data, usage=usage)
+
+
+def encode_vector(values: list[float], encoding_format: str) -> list[float] | str:
+    """A result as the request's `encoding_format` says: a JSON list, or ("base64") its
+    little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+    return values
+
+
+def prompt_usage(outputs: list[PooledOutput]) -> UsageInfo:
+    """A pooling response's usage: every input's prompt tokens."""
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens)
