@@ -31,7 +31,7 @@ def test_one_constraint_names_its_kind(kwargs, kind) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(), "exactly one of json, json_object, regex, choice, grammar, got 0"),
+        (dict(), "exactly one of json, json_object, regex, choice, grammar, structural_tag, got 0"),
         (dict(json=SCHEMA, regex="a"), "got 2: ['json', 'regex']"),
         (dict(json_object=False), "json_object must be True"),
         (dict(choice=[]), "choice must be a non-empty list"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # Compiled grammars kept per backend (each is a few KB to a few MB).
 _MAX_CACHED_GRAMMARS = 1024
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false: ")
 
 
 def import_xgrammar() -> ModuleType:
@@ -147,7 +149,32 @@ def _compile_kind(
     if kind == "choice":
         # JSON string literals are EBNF string literals, escapes included.
         return compiler.compile_grammar("root ::= " + " | ".join(map(json.dumps, params.choice)))
+    if kind == "structural_tag":
+        return _compile_structural_tag(compiler, params.structural_tag)
     return compiler.compile_grammar(params.grammar)
+
+
+def _compile_structural_tag(
+    compiler: xgr.GrammarCompiler, tag: str | dict[str, Any]
+) -> xgr.CompiledGrammar:
+    """vLLM's two forms (see StructuredOutputsParams.structural_tag): the `structures` and
+    `triggers` of its older API go to xgrammar's legacy call, anything else to its own."""
+    spec = json.loads(tag) if isinstance(tag, str) else tag
+    if "structures" not in spec:
+        return compiler.compile_structural_tag(json.dumps(spec))
+    xgr = import_xgrammar()
+    try:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in spec["structures"]
+        ]
+        triggers = spec["triggers"]
+    except (KeyError, TypeError) as e:
+        raise RuntimeError(
+            'each of "structures" needs "begin", "schema" and "end", and "triggers" lists the '
+            f"texts that start them (missing or malformed: {e})"
+        ) from None
+    return compiler.compile_structural_tag(items, triggers)
 
 
 def compile_timeout_message(params: StructuredOutputsParams, timeout_s: float) -> str:
@@ -167,4 +194,6 @@ def _xgrammar_message(error: RuntimeError) -> str:
     # timestamp and the source location, which mean nothing to the user.
     text = str(error).strip()
     head, sep, rest = text.partition(": ")
-    return rest if sep and head.startswith("[") else text
+    text = rest if sep and head.startswith("[") else text
+    # "Check failed: (std::holds_alternative<Grammar>(result)) is false: ": the C++ assertion.
+    return _CHECK_FAILED.sub("", text)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The constraint kinds, of which a request sets exactly one.
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -25,6 +25,11 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     # An EBNF (GBNF) grammar as xgrammar reads it, starting at the rule `root`.
     grammar: str | None = None
+    # Free text with constrained parts, as JSON text (or a dict), in vLLM's two forms:
+    # {"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    # (a JSON schema between `begin` and `end`, once the text reaches a trigger), or xgrammar's
+    # {"type": "structural_tag", "format": {...}} (backend.py compiles both).
+    structural_tag: str | dict[str, Any] | None = None
     # JSON kinds: no whitespace between tokens (xgrammar's any_whitespace=False), which also
     # keeps a weak model from spending its tokens on indentation.
     disable_any_whitespace: bool = False
@@ -51,6 +56,8 @@ class StructuredOutputsParams:
                     "StructuredOutputsParams.choice must be a non-empty list of non-empty "
                     f"strings, got {self.choice!r}"
                 )
+        if self.structural_tag is not None:
+            _check_structural_tag(self.structural_tag)
         for kind in ("regex", "grammar"):
             value = getattr(self, kind)
             if value is not None and not (isinstance(value, str) and value.strip()):
@@ -69,7 +76,7 @@ class StructuredOutputsParams:
         grammar. A dict schema is written with sorted keys, so key order does not matter."""
         kind = self.kind
         value = getattr(self, kind)
-        if kind == "json" and not isinstance(value, str):
+        if kind in ("json", "structural_tag") and not isinstance(value, str):
             value = json.dumps(value, sort_keys=True)
         elif kind == "choice":
             value = json.dumps(value)
@@ -79,3 +86,18 @@ class StructuredOutputsParams:
 def _is_set(value: object) -> bool:
     # json_object=False counts as given, so that __post_init__ can name it.
     return value is not None
+
+
+def _check_structural_tag(tag: object) -> None:
+    """Raises ValueError unless `tag` is a JSON object (or its text); its content is
+    xgrammar's to check when it compiles."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise ValueError(f"StructuredOutputsParams.structural_tag is not JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(
+            'StructuredOutputsParams.structural_tag must be a JSON object with "type": '
+            f'"structural_tag", got {tag!r:.80}'
+        )

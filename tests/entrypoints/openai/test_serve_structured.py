@@ -171,9 +171,38 @@ def test_vllm_extras_constrain_the_chat(client, extra, check) -> None:
         assert check(text), text
 
 
+TAGGED = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+def test_a_structural_tag_constrains_the_tagged_text(client) -> None:
+    # xgrammar's form: the reply is the tag (its JSON with at most one space at a time).
+    content = {"type": "json_schema", "json_schema": TAGGED, "max_whitespace_cnt": 1}
+    tag = {"type": "tag", "begin": "<f>", "content": content, "end": "</f>"}
+    response_format = {"type": "structural_tag", "format": tag}
+    text = chat(client, extra_body={"response_format": response_format}).choices[0].message.content
+    body = re.fullmatch(r"<f>(.*)</f>", text, re.DOTALL)
+    assert body, text
+    jsonschema.validate(json.loads(body.group(1)), TAGGED)
+    # vLLM's older form: free text, and a schema inside each tag a trigger opens.
+    structures = [{"begin": "<f>", "schema": TAGGED, "end": "</f>"}]
+    legacy = {"type": "structural_tag", "structures": structures, "triggers": ["<f"]}
+    free = chat(client, max_tokens=20, extra_body={"structured_outputs": {
+        "structural_tag": json.dumps(legacy)}}).choices[0].message.content  # fmt: skip
+    assert free
+    for segment in re.findall(r"<f>(.*?)</f>", free, re.DOTALL):
+        jsonschema.validate(json.loads(segment), TAGGED)
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+     "response_format"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_grammar": "root ::= missing_rule"}, "guided_grammar"),

@@ -24,8 +24,13 @@ class JsonSchemaFormat(_Part):
 
 
 class ResponseFormat(_Part):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # "structural_tag" (vLLM's): its older form's tags and triggers, or xgrammar's `format`
+    # (see StructuredOutputsParams.structural_tag).
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Part):

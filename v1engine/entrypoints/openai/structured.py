@@ -7,6 +7,7 @@ not the engine's name for it.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import fields
 from typing import Any
@@ -99,6 +100,9 @@ def _given_constraints(request: StructuredFields, options: ServingOptions) -> li
                 param="response_format",
             )
         constraints.append(("response_format", {"json": spec.json_schema, **compact}))
+    elif response_format is not None and response_format.type == "structural_tag":
+        tag = json.dumps(response_format.model_dump(exclude_none=True))
+        constraints.append(("response_format", {"structural_tag": tag}))
     if request.structured_outputs is not None:
         constraints.append(("structured_outputs", {**compact, **request.structured_outputs}))
     for kind in _GUIDED_KINDS:
