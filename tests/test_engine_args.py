@@ -13,6 +13,7 @@ from v1engine.config import (
     CACHE_DTYPES,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    LOGPROBS_MODES,
     MODEL_DTYPES,
     RUNNER_TYPES,
     SCHEDULING_POLICIES,
@@ -38,6 +39,7 @@ def test_cli_choices_are_the_config_lists():
         "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
         "scheduling_policy": SCHEDULING_POLICIES,
         "runner": RUNNER_TYPES,
+        "logprobs_mode": LOGPROBS_MODES,
     }
 
 

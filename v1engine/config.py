@@ -24,6 +24,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # sequence classifier (`hf_config.resolve_runner`).
 RUNNER_TYPES = ("auto", "generate", "pooling")
 DEFAULT_WORKER_CLS = "v1engine.worker.gpu_worker.Worker"
+# vLLM's --logprobs-mode: what a logprob field holds. "raw_*": from the model's logits as they
+# come; "processed_*": from the logits the draw used (after the grammar, bias, masks, penalties,
+# temperature and top-k / top-p / min-p); "*_logits" the logit values, "*_logprobs" their
+# log_softmax (model/layers/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's `profiler_config.profiler`: torch.profiler traces (its "cuda", Nsight's capture range,
 # is not offered: run the server under `nsys profile` instead).
 PROFILERS = (None, "torch")
@@ -66,9 +71,11 @@ class ModelConfig:
     # vLLM's: the most logprobs (and prompt logprobs) per token a request may ask for; -1: no
     # limit, and a request may ask for -1, the whole vocabulary. The sampler is profiled at it.
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)
+        _require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _require_choice("runner_type", self.runner_type, RUNNER_TYPES[1:])
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
         _require(

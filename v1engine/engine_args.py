@@ -13,6 +13,7 @@ from v1engine.config import (
     DEFAULT_WORKER_CLS,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    LOGPROBS_MODES,
     MODEL_DTYPES,
     RUNNER_TYPES,
     SCHEDULING_POLICIES,
@@ -33,6 +34,7 @@ _CHOICES = {
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
     "runner": RUNNER_TYPES,
+    "logprobs_mode": LOGPROBS_MODES,
 }
 
 # vLLM's short forms.
@@ -88,6 +90,9 @@ class EngineArgs:
     # vLLM's: the most logprobs / prompt logprobs per token a request may ask for (-1: no limit;
     # a request may then ask for -1, the whole vocabulary).
     max_logprobs: int = 20
+    # vLLM's: what logprobs hold: "raw_logprobs" (the model's), "raw_logits", or the sampler's
+    # "processed_logprobs" / "processed_logits" (config.LOGPROBS_MODES).
+    logprobs_mode: str = "raw_logprobs"
     # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} lets LLM.start_profile() and the
     # server's /start_profile record the workers' steps (config.ProfilerConfig has the keys); a
     # JSON object on the command line.
@@ -177,6 +182,7 @@ class EngineArgs:
             ),
             runner_type=resolve_runner(self.runner, hf_config),
             max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
         )
 
     @staticmethod

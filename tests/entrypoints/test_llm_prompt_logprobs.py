@@ -149,3 +149,44 @@ def test_minus_one_is_every_tokens_logprob_within_max_logprobs(llama):
         assert sorted(entry) == list(range(vocab_size))
         for token_id, logprob in entry.items():
             assert logprob.logprob == pytest.approx(row[token_id].item(), abs=ATOL)
+
+
+def test_logprobs_modes_against_transformers(llama):
+    """vLLM's logprobs_mode end to end: "raw_logits" gives the model's logits for the prompt
+    and the samples; "processed_logprobs" the log_softmax of what the draw used (temperature,
+    top_k), -inf outside the top k."""
+    checkpoint, hf_model = llama
+    prompt = PROMPTS[2]
+    sampled = SamplingParams(
+        max_tokens=4, temperature=0.5, top_k=3, seed=1, logprobs=5, prompt_logprobs=2
+    )
+    with torch.no_grad():
+        reference = hf_model(torch.tensor([prompt])).logits[0].float()
+    raw_llm = make_llm(checkpoint, logprobs_mode="raw_logits")
+    try:
+        (raw,) = raw_llm.generate([prompt], sampled, use_tqdm=False)
+    finally:
+        raw_llm.shutdown()
+    for p, entry in enumerate(raw.prompt_logprobs[1:]):
+        token = prompt[p + 1]
+        assert entry[token].logprob == pytest.approx(reference[p, token].item(), abs=ATOL)
+    processed_llm = make_llm(checkpoint, logprobs_mode="processed_logprobs")
+    try:
+        (processed,) = processed_llm.generate([prompt], sampled, use_tqdm=False)
+    finally:
+        processed_llm.shutdown()
+    # The same seed draws the same tokens whatever the logprobs hold.
+    tokens = processed.outputs[0].token_ids
+    assert tokens == raw.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :].float()
+    first = raw.outputs[0].logprobs[0]  # raw logits: the model's, at every listed token
+    for token_id, logprob in first.items():
+        assert logprob.logprob == pytest.approx(logits[0, token_id].item(), abs=ATOL)
+    for step, entry in enumerate(processed.outputs[0].logprobs):
+        scaled = logits[step] / 0.5
+        scaled[scaled < scaled.topk(3).values[-1]] = float("-inf")
+        expected = torch.log_softmax(scaled, dim=-1)
+        assert len(entry) == 5 and entry[tokens[step]].logprob <= 0.0
+        for token_id, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(expected[token_id].item(), abs=ATOL)

@@ -239,6 +239,38 @@ def test_logprobs_are_raw_log_softmax() -> None:
     assert torch.equal(logprobs.sampled_token_ranks, (expected > sampled_lp).sum(-1) + 1)
 
 
+def _processed(logits: torch.Tensor) -> torch.Tensor:
+    """What rows 0-2 of test_logprobs_modes draw from: row 0 greedy (penalized logits, here
+    none), row 1 at temperature 0.5 with top_k 3, row 2 at 1.0 with the token 5 banned."""
+    rows = logits.clone()
+    rows[1] = rows[1] / 0.5
+    rows[1][rows[1] < rows[1].topk(3).values[-1]] = float("-inf")
+    rows[2][5] = float("-inf")
+    return rows
+
+
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_logprobs_modes_hold_vllms_values(mode) -> None:
+    logits = _logits(3)
+    metadata = SamplingMetadata.from_lists(
+        [0.0, 0.5, 1.0], _VOCAB, top_k=[0, 3, 0], banned_token_ids=[[], [], [5]],
+        max_num_logprobs=4,
+    )  # fmt: skip
+    out = Sampler(mode)(logits, metadata)
+    values = logits if mode.startswith("raw") else _processed(logits)
+    if mode.endswith("logprobs"):
+        values = torch.log_softmax(values, dim=-1)
+    logprobs = out.logprobs
+    torch.testing.assert_close(logprobs.logprobs, values.gather(1, logprobs.token_ids))
+    assert torch.equal(logprobs.token_ids[:, 1:], values.topk(4, dim=-1).indices)
+    sampled = values.gather(1, out.sampled_token_ids[:, None])
+    assert torch.equal(logprobs.sampled_token_ranks, (values > sampled).sum(-1) + 1)
+    if mode.startswith("processed"):  # the draw's support: the rest ruled out
+        assert logprobs.logprobs[1, -1] == float("-inf")  # 4th of row 1's top 3
+
+
 def test_logprobs_off_and_zero() -> None:
     logits = _logits(2)
     off = SamplingMetadata.from_lists([0.0, 0.0], _VOCAB)

@@ -98,7 +98,7 @@ class GPUModelRunner:
         self.attn_layers: dict[str, Attention] = {}
         self.attn_backend: AttentionBackend | None = None
         self.weights_bytes = 0
-        self.sampler = Sampler()
+        self.sampler = Sampler(model_config.logprobs_mode)
         # CPU, float32, one rank: greedy steps of a few rows read the LM head in bfloat16 first.
         self.greedy_screen: GreedyScreen | None = None
         # The request states and the persistent batch; built with the KV cache.
@@ -314,8 +314,9 @@ class GPUModelRunner:
         if plan is None:
             return self._forward(inputs, self._output_rows(inputs), lora), {}
         hidden = self._forward(inputs, None, lora)
+        as_logits = self.sampler.as_logits
         prompt_logprobs = compute_prompt_logprobs(
-            self.model.compute_logits, hidden, plan, self.is_driver
+            self.model.compute_logits, hidden, plan, self.is_driver, as_logits=as_logits
         )
         return hidden[inputs.logits_indices], prompt_logprobs
 

@@ -116,17 +116,20 @@ def compute_prompt_logprobs(
     plan: PromptLogprobsPlan,
     is_driver: bool,
     slice_rows: int = PROMPT_LOGPROBS_SLICE_ROWS,
+    as_logits: bool = False,
 ) -> dict[str, LogprobsLists]:
     """Per request of `plan`, its rows' logprobs: column 0 the prompt token scored (with its
     rank), then its top k. `hidden_states`: [num_tokens, hidden_size], the step's. Every rank
-    calls `compute_logits` alike; only the driver gets results ({} elsewhere)."""
+    calls `compute_logits` alike; only the driver gets results ({} elsewhere). `as_logits`:
+    the logits themselves (a "*_logits" logprobs_mode; a prompt token is never sampled, so
+    "processed" is "raw" here, as in vLLM)."""
     max_k = max(plan.num_logprobs)
     slices: list[LogprobsTensors] = []
     for start in range(0, plan.token_indices.shape[0], slice_rows):
         token_indices = plan.token_indices[start : start + slice_rows]
         logits = compute_logits(hidden_states[token_indices])  # [<= slice_rows, vocab] fp32
         if is_driver:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logprobs = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
             next_token_ids = plan.next_token_ids[start : start + slice_rows]
             slices.append(gather_logprobs(logprobs, max_k, next_token_ids))
     if not is_driver:

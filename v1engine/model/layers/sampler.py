@@ -1,7 +1,7 @@
 """The sampler: logit bias and token masks, penalties, temperature, top-k / top-p / min-p, then
 a draw. What it reads per step is `SamplingMetadata` (sampling_metadata.py).
 
-Order per row (HF's and vLLM's): logprobs from the raw logits (vLLM's default "raw logprobs":
+Order per row (HF's and vLLM's): logprobs from the raw logits (vLLM's default "raw_logprobs":
 before bias, masks, penalties, temperature and truncation, so they describe the model, not the
 sampler), then a structured-output grammar's bitmask (-inf at every token it does not allow, so no
 later stage can bring one back), then `logit_bias` and the token masks (`allowed_token_ids`, bad
@@ -14,6 +14,11 @@ probability probs[i]. The race needs no cumulative sum over the vocabulary and n
 seeded row draws its q from its own generator, so its tokens depend only on its seed and logits,
 never on which other requests share the batch. Everything stays on the device: the caller moves
 `sampled_token_ids` to the host once.
+
+`logprobs_mode` (vLLM's) changes what the logprobs hold: "raw_logits" the raw logits themselves;
+"processed_logprobs" / "processed_logits" those of the logits the draw used (-inf at every token
+the grammar, the masks or the truncation ruled out; a greedy row's are its penalized logits, as
+in vLLM).
 """
 
 from __future__ import annotations
@@ -44,12 +49,20 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    """`logprobs_mode`: what the logprobs hold (config.LOGPROBS_MODES)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
+        super().__init__()
+        self.processed = logprobs_mode.startswith("processed")
+        self.as_logits = logprobs_mode.endswith("logits")
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_reqs, vocab_size]; the caller's tensor is never modified."""
         logits = logits.float()
+        wants_logprobs = metadata.max_num_logprobs is not None
         raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if wants_logprobs and not self.processed:
+            raw_logprobs = logits if self.as_logits else torch.log_softmax(logits, dim=-1)
         if metadata.grammar_bitmask is not None:
             logits = apply_grammar_bitmask(
                 logits, metadata.grammar_bitmask_rows, metadata.grammar_bitmask
@@ -59,10 +72,13 @@ class Sampler(nn.Module):
             logits = logits.index_add(0, metadata.logit_bias_rows, metadata.logit_bias)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
-        sampled = sample(logits, metadata)
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        sampled, processed = sample(logits, metadata)
+        if not wants_logprobs:
+            return SamplerOutput(sampled_token_ids=sampled, logprobs=None)
+        values = raw_logprobs
+        if values is None:
+            values = processed if self.as_logits else torch.log_softmax(processed, dim=-1)
+        logprobs = gather_logprobs(values, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
 
@@ -99,11 +115,12 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     return logits - metadata.presence_penalties[:, None] * in_output
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """[num_reqs] int64 token ids from (penalized) logits [num_reqs, vocab_size]."""
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_reqs] int64 token ids from (penalized) logits [num_reqs, vocab_size], and the
+    logits the draw used (greedy rows: the ones given)."""
     greedy = None if metadata.all_random else logits.argmax(dim=-1)
     if metadata.all_greedy:
-        return greedy
+        return greedy, logits
     is_greedy = metadata.temperature < GREEDY_TEMPERATURE
     # Greedy rows divide by 1: their random draw is discarded below anyway.
     temperature = torch.where(is_greedy, 1.0, metadata.temperature)
@@ -115,8 +132,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     sampled = (probs / _exponential(probs, metadata.generators)).argmax(dim=-1)
     if greedy is None:
-        return sampled
-    return torch.where(is_greedy, greedy, sampled)
+        return sampled, logits
+    return torch.where(is_greedy, greedy, sampled), logits
 
 
 def apply_top_k_top_p(
