@@ -232,7 +232,13 @@ class ProfilerConfig:
             'profiler_config {"profiler": "torch"} needs "torch_profiler_dir": the folder the '
             "traces are written to",
         )
-        object.__setattr__(self, "torch_profiler_dir", os.path.abspath(self.torch_profiler_dir))
+        folder = os.path.abspath(self.torch_profiler_dir)
+        _require(
+            not os.path.isfile(folder),
+            f"profiler_config.torch_profiler_dir {folder!r} is a file; give a folder (it is "
+            "made if missing)",
+        )
+        object.__setattr__(self, "torch_profiler_dir", folder)
 
     def require_on(self) -> None:
         """Raises RuntimeError, saying how to turn it on, when profiling is off."""

@@ -13,7 +13,6 @@ import pytest
 from tests.entrypoints.llm_utils import GREEDY, PROMPTS, make_llm, token_ids
 from v1engine.config import ProfilerConfig
 from v1engine.engine_args import EngineArgs
-from v1engine.executor.errors import WorkerError
 
 
 def _trace_events(path: str) -> list[dict]:
@@ -29,11 +28,11 @@ def test_each_rank_writes_a_trace_of_the_steps_it_ran(llama_checkpoint, tmp_path
     try:
         unprofiled = token_ids(llm.generate(PROMPTS, GREEDY))
         llm.start_profile(profile_prefix="decode")
-        with pytest.raises(WorkerError, match="already running on rank 0"):
+        with pytest.raises(RuntimeError, match="a profile is already running"):
             llm.start_profile()  # the running profile goes on
         profiled = token_ids(llm.generate(PROMPTS, GREEDY))
         llm.stop_profile()
-        with pytest.raises(WorkerError, match="no profile is running on rank 0"):
+        with pytest.raises(RuntimeError, match="no profile is running"):
             llm.stop_profile()
         assert profiled == unprofiled  # recording changes no token
     finally:
@@ -63,6 +62,20 @@ def test_a_second_profile_gets_its_own_files_and_gzip_can_be_turned_off(llama_ch
     assert all(_trace_events(trace) for trace in traces)
 
 
+def test_a_rank_that_cannot_write_its_trace_is_named(llama_checkpoint, tmp_path):
+    blocked = tmp_path / "traces"
+    config = {"profiler": "torch", "torch_profiler_dir": str(blocked)}
+    llm = make_llm(llama_checkpoint, profiler_config=config)
+    try:
+        blocked.write_text("a file where the folder should be")  # after the config's check
+        with pytest.raises(RuntimeError, match="failed on rank 0") as info:
+            llm.start_profile()
+        assert "FileExistsError" in str(info.value)  # the rank's own error and traceback
+        assert token_ids(llm.generate(PROMPTS[:1], GREEDY))  # the engine still serves
+    finally:
+        llm.shutdown()
+
+
 def test_profiling_off_says_how_to_turn_it_on(llama_checkpoint):
     llm = make_llm(llama_checkpoint)
     try:
@@ -82,6 +95,7 @@ def test_profiling_off_says_how_to_turn_it_on(llama_checkpoint):
         ({"profiler": "torch", "dir": "x"}, "unknown profiler_config key.*'dir'.*valid ones"),
         ({"profiler": "torch", "torch_profiler_dir": "x", "torch_profiler_with_stack": "no"},
          "torch_profiler_with_stack must be true or false"),
+        ({"profiler": "torch", "torch_profiler_dir": __file__}, "is a file; give a folder"),
     ],
 )  # fmt: skip
 def test_a_bad_profiler_config_fails_before_any_process_starts(config, match):

@@ -94,6 +94,7 @@ class EngineCore:
         # Steps sent to the workers whose outputs are not processed yet, oldest first: one,
         # or two while async scheduling runs the workers a step ahead.
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
+        self._profiling = False  # the workers' torch.profiler sessions run (`profile`)
         logger.info(
             "Engine ready in %.2f s (%s)",
             sum(self._startup_s.values()),
@@ -212,12 +213,20 @@ class EngineCore:
         """Starts or stops every worker's torch.profiler session (`worker/profiler.py`).
 
         Raises:
-            RuntimeError: profiling is off (no `profiler_config.profiler`), or a worker refused
-                (a start while one runs, a stop while none does), naming its rank.
+            RuntimeError: profiling is off (no `profiler_config.profiler`), a start while a
+                profile runs or a stop while none does; a WorkerError (a RuntimeError) when a
+                rank failed, naming it.
         """
         self.config.profiler_config.require_on()
+        if is_start == self._profiling:
+            raise RuntimeError(
+                "a profile is already running; call stop_profile() before starting another"
+                if is_start
+                else "no profile is running; call start_profile() first"
+            )
         call = RpcCall("profile", (is_start, profile_prefix), timeout=PROFILE_RPC_TIMEOUT_S)
         self.executor.run_rpc(call)
+        self._profiling = is_start
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""

@@ -32,7 +32,7 @@ from starlette.middleware.cors import CORSMiddleware
 from v1engine import __version__
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
-from v1engine.engine.core_process import summarize_dead_reason
+from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.stat_logger import LoggingStatLogger
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
@@ -70,7 +70,6 @@ from v1engine.entrypoints.openai.serving_score import OpenAIServingScore
 from v1engine.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from v1engine.entrypoints.openai.startup import describe_kv_capacity, log_startup_line
 from v1engine.entrypoints.openai.tls import uvicorn_tls_kwargs
-from v1engine.executor.errors import WorkerError
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -244,8 +243,10 @@ async def stop_profile(raw_request: Request) -> Response:
 async def _profile(raw_request: Request, is_start: bool) -> Response:
     try:
         await _state(raw_request).engine.client.profile(is_start)
-    except WorkerError as e:  # a start while a profile runs, or a stop while none does
-        raise APIError(e.summary) from e
+    except EngineDeadError as e:
+        raise APIError.unavailable(e) from e
+    except RuntimeError as e:  # a start while a profile runs (a stop while none), or a rank failed
+        raise APIError(getattr(e, "summary", str(e))) from e  # a WorkerError's one line
     return Response(status_code=HTTPStatus.OK)
 
 
