@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric as Family
 
 __all__ = ["Counter", "Gauge", "Histogram", "Metric", "get_metrics_snapshot"]
 
@@ -60,7 +61,7 @@ def get_metrics_snapshot(registry: CollectorRegistry) -> list[Metric]:
     return snapshot
 
 
-def _histograms(family) -> list[Histogram]:
+def _histograms(family: Family) -> list[Histogram]:
     """One Histogram per label set of a histogram family's `_bucket`, `_count` and `_sum`."""
     by_labels: dict[tuple, Histogram] = {}
     for sample in family.samples:
