@@ -23,7 +23,6 @@ from v1engine.entrypoints.openai.protocol_structured import (
     ToolCall,
     ToolChoice,
 )
-from v1engine.entrypoints.openai.reasoning import ReasoningEffort
 from v1engine.sampling_params import SamplingParams
 
 # One prompt: text or token ids; a completion request may also send a list of prompts.
@@ -224,6 +223,9 @@ class ChatMessage(_Request):
     reasoning_content: str | None = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # + vLLM's
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -235,7 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # the reply extends the last (assistant) message
     add_special_tokens: bool = False  # the template writes those it wants (BOS, role markers)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-    reasoning_effort: ReasoningEffort | None = None  # to the template, as vLLM (reasoning.py)
+    reasoning_effort: ReasoningEffort | None = None  # to the template (template_variables)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # "auto" when tools are given, else "none"
     parallel_tool_calls: bool = True
@@ -251,6 +253,14 @@ class ChatCompletionRequest(_SamplingFields):
             max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults or {})
+
+    def template_variables(self) -> dict[str, Any] | None:
+        """`chat_template_kwargs` over vLLM's reading of `reasoning_effort` (reasoning.py)."""
+        effort = self.reasoning_effort
+        if effort is None:
+            return self.chat_template_kwargs
+        implied = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        return implied | (self.chat_template_kwargs or {})
 
 
 # -- responses ----------------------------------------------------------------------------------

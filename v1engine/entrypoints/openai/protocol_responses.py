@@ -15,11 +15,11 @@ from pydantic import BaseModel, Field
 from v1engine.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     Int64,
+    ReasoningEffort,
     _NotesIgnoredFields,
     _now,
 )
 from v1engine.entrypoints.openai.protocol_structured import JsonSchemaFormat, _Part
-from v1engine.entrypoints.openai.reasoning import ReasoningEffort
 
 
 class FunctionTool(_Part):

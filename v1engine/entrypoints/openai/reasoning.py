@@ -23,33 +23,20 @@ back until the next delta (or the end) shows whether it is one.
 
 OpenAI's `reasoning_effort` (chat) / `reasoning.effort` (responses) reaches the chat template as
 vLLM passes it: as the variable `reasoning_effort`, with `enable_thinking` false for "none" and
-true otherwise (`template_kwargs`); what templates make of it is theirs.
+true otherwise (`ChatCompletionRequest.template_variables`); what templates make of it is theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from v1engine.engine.detokenizer import partial_stop_len
 from v1engine.outputs import CompletionOutput
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
-# OpenAI's values and vLLM's additions.
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
-
-
-def template_kwargs(
-    effort: ReasoningEffort | None, chat_template_kwargs: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The chat template's extra variables: `reasoning_effort` and `enable_thinking` from
-    `effort`, under what the request's `chat_template_kwargs` set itself (those win)."""
-    if effort is None:
-        return chat_template_kwargs
-    implied = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
-    return implied | (chat_template_kwargs or {})
 
 
 def opens_thinking(parser: str, prompt: str | None) -> bool:

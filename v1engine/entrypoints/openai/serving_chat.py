@@ -39,7 +39,6 @@ from v1engine.entrypoints.openai.reasoning import (
     opens_thinking,
     split_deltas,
     split_reasoning,
-    template_kwargs,
     think_end_token_id,
 )
 from v1engine.entrypoints.openai.serving_engine import EngineRun, OpenAIServing, client_request_id
@@ -306,11 +305,10 @@ def render_messages(
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             add_special_tokens=bool(request.add_special_tokens),  # /tokenize's None: False
-            chat_template_kwargs=template_kwargs(
-                # Chat's; /tokenize's and the embeddings' chat forms have none.
-                getattr(request, "reasoning_effort", None),
-                request.chat_template_kwargs,
-            ),
+            # Chat's carry its reasoning_effort; /tokenize's and the embeddings' have none.
+            chat_template_kwargs=request.template_variables()
+            if isinstance(request, ChatCompletionRequest)
+            else request.chat_template_kwargs,
             tools=None if request.tools is None else template_tools(request.tools),
             chat_template=chat_template,
         )
