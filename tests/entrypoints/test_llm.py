@@ -201,6 +201,9 @@ def test_use_tqdm_may_be_the_callable_that_makes_the_bar(llm_tp1, hf_model):
     assert got == hf_greedy(hf_model, PROMPTS, GREEDY.max_tokens)
     ((kwargs, bar),) = bars
     assert kwargs == {"total": len(PROMPTS), "desc": "Generating"} and bar.n == len(PROMPTS)
+    # vLLM's speed estimate (its values are timings: only their form is checked).
+    speeds = re.fullmatch(r"est\. speed input: (\S+) toks/s, output: (\S+) toks/s", bar.postfix)
+    assert speeds and float(speeds[1]) > 0 and float(speeds[2]) > 0, bar.postfix
 
 
 def _num_kv_heads(worker) -> int:

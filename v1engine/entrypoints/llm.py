@@ -22,7 +22,13 @@ from v1engine.engine.metrics_reader import Metric
 from v1engine.engine.processor import PromptType
 from v1engine.engine_args import EngineArgs
 from v1engine.entrypoints.llm_pooling import PoolingMixin
-from v1engine.entrypoints.offline_inputs import UseTqdm, as_prompt_list, per_prompt, progress_bar
+from v1engine.entrypoints.offline_inputs import (
+    RequestProgress,
+    UseTqdm,
+    as_prompt_list,
+    per_prompt,
+    progress_bar,
+)
 from v1engine.logger import init_logger
 from v1engine.lora.request import LoRARequest
 from v1engine.outputs import RequestOutput
@@ -247,12 +253,12 @@ class LLM(PoolingMixin):
     def _run_engine(self, num_requests: int, use_tqdm: UseTqdm, desc: str) -> dict[str, Any]:
         """Each request's final output (a RequestOutput, or a PoolingRequestOutput), by id."""
         finished: dict[str, Any] = {}
-        with progress_bar(use_tqdm, num_requests, desc) as bar:
+        with RequestProgress(use_tqdm, num_requests, desc) as progress:
             while self.llm_engine.has_unfinished_requests():
                 for output in self.llm_engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        bar.update(1)
+                        progress.finished(output)
         return finished
 
     # -- lifetime ------------------------------------------------------------------------------
