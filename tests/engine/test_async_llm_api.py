@@ -2,7 +2,9 @@
 (a random 2-layer llama with SmolLM2's tokenizer): the same greedy tokens as `LLM`, whatever the
 output kind or how many requests run at once; closing a request's iteration early, or `abort`
 with its id, aborts it;
-bad input fails the request, not the engine; `shutdown` ends what runs and leaves nothing."""
+bad input fails the request, not the engine; vLLM's engine calls (`reset_prefix_cache`,
+`start_profile` / `stop_profile`, `check_health`) work; `shutdown` ends what runs and leaves
+nothing."""
 
 from __future__ import annotations
 
@@ -102,14 +104,34 @@ def test_shutdown_ends_running_requests_and_refuses_new_ones(checkpoint):
         engine = AsyncLLM.from_engine_args(EngineArgs(model=checkpoint, **_ENGINE_ARGS))
         outputs = engine.generate(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), "a")
         await anext(outputs)
+        await engine.check_health()
         engine.shutdown()
         with pytest.raises(EngineDeadError, match="the engine was shut down"):
             await asyncio.wait_for(_collect(outputs), scaled(60))
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
         with pytest.raises(EngineDeadError):
             await _collect(engine.generate(PROMPT, GREEDY, "b"))
         engine.shutdown()  # idempotent
 
     asyncio.run(main())
+
+
+def test_vllms_engine_calls(checkpoint, expected, tmp_path):
+    async def main():
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+        args = EngineArgs(model=checkpoint, profiler_config=profiler, **_ENGINE_ARGS)
+        async with AsyncLLM.from_engine_args(args) as engine:
+            await engine.start_profile()
+            (output,) = await _collect(engine.generate(PROMPT, GREEDY, "a", output_kind="final"))
+            await engine.stop_profile()
+            with pytest.raises(RuntimeError, match="no profile is running"):
+                await engine.stop_profile()
+            return output.outputs[0].token_ids, await engine.reset_prefix_cache()
+
+    token_ids, reset = asyncio.run(main())
+    assert token_ids == expected and reset
+    assert list(tmp_path.glob("rank0.*.pt.trace.json.gz"))
 
 
 def test_a_bad_model_fails_before_anything_starts(tmp_path):

@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
-from v1engine.engine.beam_search import AsyncBeamSearch, BeamSearch
+from v1engine.engine.beam_search import AsyncBeamSearch
 from v1engine.engine.core_process import (
     EngineDeadError,
     RequestAbortedError,
@@ -177,6 +177,19 @@ class AsyncLLM:
         self.shutdown()
         await self.stop()  # waits for the tasks the shutdown cancelled
 
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.reset_prefix_cache()
+
+    async def start_profile(self) -> None:
+        await self.client.profile(True)  # needs profiler_config (config.ProfilerConfig)
+
+    async def stop_profile(self) -> None:
+        await self.client.profile(False)
+
+    async def check_health(self) -> None:
+        if self._closed:  # dead, or shut down (or shutting down)
+            raise EngineDeadError(self.dead_reason or "the engine was shut down")
+
     # -- requests ------------------------------------------------------------------------------
     async def add_request(
         self,
@@ -275,18 +288,10 @@ class AsyncLLM:
             EngineDeadError: the engine is dead.
         """
         del output_kind  # one output, which is both the whole result and all that is new
-        max_model_len = self.client.info.max_model_len
-        search = BeamSearch(prompt_token_ids, params, self.processor.eos_token_id, max_model_len)
-        run = AsyncBeamSearch(self, request_id, search, lora_request)
-        try:
-            first = await run.add_step()
-        except ValueError as e:
-            raise as_parent_error(e, f"{request_id}-beam0-0", request_id) from e
-        queue: asyncio.Queue = asyncio.Queue()
+        task, queue = await AsyncBeamSearch.start(
+            self, request_id, prompt, prompt_token_ids, params, lora_request
+        )
         self._queues[request_id] = queue
-        tokenizer = self.output_processor.tokenizer
-        decode = None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
-        task = asyncio.get_running_loop().create_task(run.run(prompt, first, decode, queue))
         self._beam_searches[request_id] = task
         task.add_done_callback(lambda _: self._beam_searches.pop(request_id, None))
         return self._stream_outputs(request_id, queue)

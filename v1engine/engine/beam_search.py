@@ -13,6 +13,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput, final_output
@@ -194,6 +195,34 @@ class AsyncBeamSearch:
         self.search = search
         self.lora_request = lora_request  # every step runs with the search's adapter
         self.one_step = step_params(search.params)
+
+    @classmethod
+    async def start(
+        cls,
+        engine: Any,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+    ) -> tuple[asyncio.Task, asyncio.Queue]:
+        """Adds the search's first step and starts its task (`run`); returns the task and the
+        queue its output comes on. Raises ValueError when the prompt cannot be served, named
+        for `request_id`."""
+        from v1engine.engine.processor import as_parent_error
+
+        info, eos_token_id = engine.client.info, engine.processor.eos_token_id
+        beams = BeamSearch(prompt_token_ids, params, eos_token_id, info.max_model_len)
+        search = cls(engine, request_id, beams, lora_request)
+        try:
+            first = await search.add_step()
+        except ValueError as e:
+            raise as_parent_error(e, f"{request_id}-beam0-0", request_id) from e
+        queue: asyncio.Queue = asyncio.Queue()
+        tokenizer = engine.output_processor.tokenizer
+        decode = None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
+        task = asyncio.get_running_loop().create_task(search.run(prompt, first, decode, queue))
+        return task, queue
 
     async def add_step(self) -> Steps:
         """Adds the search's next step, one request per live beam; if one cannot be added,

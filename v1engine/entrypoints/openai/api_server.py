@@ -242,7 +242,8 @@ async def stop_profile(raw_request: Request) -> Response:
 
 async def _profile(raw_request: Request, is_start: bool) -> Response:
     try:
-        await _state(raw_request).engine.client.profile(is_start)
+        engine = _state(raw_request).engine
+        await (engine.start_profile() if is_start else engine.stop_profile())
     except EngineDeadError as e:
         raise APIError.unavailable(e) from e
     except RuntimeError as e:  # a start while a profile runs (a stop while none), or a rank failed
