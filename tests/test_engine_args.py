@@ -4,6 +4,7 @@ KV cache."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -103,3 +104,11 @@ def test_model_runner_builds_kv_specs_in_the_kv_cache_dtype(llama_path, kv_cache
     assert runner.kv_cache_dtype == expected  # "auto": the model's float32
     runner.load_model()
     assert {spec.dtype for spec in runner.get_kv_cache_spec().values()} == {expected}
+
+
+def test_every_flag_says_what_it_does():
+    from v1engine.engine_args import _HELP
+
+    assert set(_HELP) == {f.name for f in dataclasses.fields(EngineArgs)}
+    text = parser().format_help()
+    assert "the KV cache's dtype (auto: the model's) (default: auto)" in " ".join(text.split())

@@ -41,8 +41,61 @@ _CHOICES = {
 _SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 
 
+# What each flag does, for `--help` (and the reader of EngineArgs): one entry per field.
+_HELP = {
+    "model": "an HF checkpoint directory or a .gguf file (default: the embedded "
+    "SmolLM2-135M-Instruct)",
+    "tokenizer": "the tokenizer's directory (default: the model's)",
+    "tensor_parallel_size": "workers (devices) the model is split over",
+    "device": "where the workers run (auto: CUDA when torch sees a GPU, else the CPU)",
+    "dtype": "the model's dtype (auto: bfloat16 on CPUs that compute in it natively, else "
+    "float32; on CUDA the checkpoint's 16-bit dtype, else bfloat16)",
+    "max_model_len": "the context length, prompt and output (default: the model's)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
+    "gpu_memory_utilization": "the share of the device's memory the engine may use",
+    "kv_cache_memory_bytes": "the KV cache's bytes per worker instead of what profiling "
+    "leaves (default on CPU: 4 GiB)",
+    "num_gpu_blocks_override": "the number of KV cache blocks instead of what profiling leaves",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "most tokens in one step (default: 2048 or max_num_seqs, the "
+    "larger); longer prompts are prefilled in chunks",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes computed before",
+    "async_scheduling": "schedule each step while the workers run the one before",
+    "scheduling_policy": "fcfs, or priority (requests carry a priority, lower served first)",
+    "distributed_executor_backend": "mp: a process per worker; uni: one worker in the engine "
+    "core's process; ray: Ray actors, across nodes",
+    "worker_cls": "the worker class (module.Class), e.g. a WorkerBase subclass of your own",
+    "seed": "the seed of the random numbers unseeded requests sample with",
+    "enforce_eager": "no CUDA graphs",
+    "trust_remote_code": "run the checkpoint's own Python (its config.json's auto_map)",
+    "generation_config": "sampling defaults: auto (the model's generation_config.json), vllm "
+    "(none), or a folder with such a file",
+    "override_generation_config": "a JSON object of generation_config.json keys (temperature, "
+    "top_p, top_k, min_p, repetition_penalty, max_new_tokens) set over those",
+    "hf_overrides": "a JSON object set over the checkpoint's config.json (e.g. "
+    '{"max_position_embeddings": 4096})',
+    "disable_log_stats": "no periodic stats line (the server's /metrics still counts); for LLM, "
+    "whose default it is, also no metrics: False enables LLM.get_metrics()",
+    "runner": "generate, or pooling (embeddings and classification); auto picks by the checkpoint",
+    "enable_lora": "serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
+    "max_loras": "most LoRA adapters in one step",
+    "max_lora_rank": "largest LoRA rank served",
+    "max_cpu_loras": "LoRA adapters each worker keeps loaded (default: max_loras)",
+    "max_logprobs": "most logprobs and prompt logprobs per token a request may ask for (-1: no "
+    "limit, and a request may ask for -1, the whole vocabulary)",
+    "logprobs_mode": "what logprobs hold: the model's (raw_logprobs, raw_logits) or those the "
+    "sampler drew from (processed_logprobs, processed_logits)",
+    "profiler_config": 'a JSON object, e.g. {"profiler": "torch", "torch_profiler_dir": '
+    '"./traces"}, to serve /start_profile and /stop_profile (config.ProfilerConfig)',
+}
+
+
 @dataclass
 class EngineArgs:
+    """The flat, user-facing configuration: each field is a `serve` flag, `_HELP` says what it
+    does; `create_engine_config` checks and groups them into the frozen EngineConfig."""
+
     model: str | None = None
     tokenizer: str | None = None
     tensor_parallel_size: int = 1
@@ -50,8 +103,7 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
-    # vLLM's name for CacheConfig.cache_dtype; "auto" stores the cache in the model's dtype.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # vLLM's name for CacheConfig.cache_dtype
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -59,44 +111,24 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = True
-    # vLLM's: "fcfs", or "priority" (requests carry a priority, lower served first).
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str = "mp"
     worker_cls: str = DEFAULT_WORKER_CLS
     seed: int = 0
     enforce_eager: bool = False
     trust_remote_code: bool = False
-    # vLLM's: "auto" takes the model's generation_config.json sampling defaults, "vllm" none,
-    # a folder that folder's file (`engine/generation_defaults.py`).
-    generation_config: str = "auto"
-    # vLLM's: generation_config.json keys (temperature, top_p, top_k, min_p,
-    # repetition_penalty, max_new_tokens) set over those `generation_config` gives; a JSON
-    # object on the command line.
+    generation_config: str = "auto"  # engine/generation_defaults.py
     override_generation_config: dict[str, Any] | None = None
-    # vLLM's: values set over the checkpoint's config.json (e.g. {"max_position_embeddings":
-    # 4096}), for the engine and its workers alike; a JSON object on the command line.
-    hf_overrides: dict[str, Any] | None = None
-    # Metrics and the periodic stats line (engine/stat_logger.py): the server's are on by
-    # default; `LLM`'s off (vLLM's defaults), False there enables `LLM.get_metrics()`.
-    disable_log_stats: bool = False
-    # vLLM's: "pooling" serves embeddings (LLM.embed, /v1/embeddings) instead of generating.
+    hf_overrides: dict[str, Any] | None = None  # for the engine and its workers alike
+    disable_log_stats: bool = False  # engine/stat_logger.py; LLM's default is True
     runner: str = "auto"
-    # vLLM's LoRA serving: requests may name an adapter (LoRARequest; the server's
-    # --lora-modules); at most `max_loras` adapters run in one step.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # vLLM's: the most logprobs / prompt logprobs per token a request may ask for (-1: no limit;
-    # a request may then ask for -1, the whole vocabulary).
     max_logprobs: int = 20
-    # vLLM's: what logprobs hold: "raw_logprobs" (the model's), "raw_logits", or the sampler's
-    # "processed_logprobs" / "processed_logits" (config.LOGPROBS_MODES).
-    logprobs_mode: str = "raw_logprobs"
-    # vLLM's: {"profiler": "torch", "torch_profiler_dir": ...} lets LLM.start_profile() and the
-    # server's /start_profile record the workers' steps (config.ProfilerConfig has the keys); a
-    # JSON object on the command line.
-    profiler_config: dict[str, Any] | ProfilerConfig | None = None
+    logprobs_mode: str = "raw_logprobs"  # config.LOGPROBS_MODES
+    profiler_config: dict[str, Any] | ProfilerConfig | None = None  # worker/profiler.py
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
@@ -192,7 +224,12 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             default = f.default
             if isinstance(default, bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+                parser.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=_HELP[f.name] + " (default: %(default)s)",
+                )
                 continue
             parser.add_argument(
                 *_SHORT_FLAGS.get(f.name, ()),
@@ -200,6 +237,7 @@ class EngineArgs:
                 type=_field_type(f),
                 default=default,
                 choices=_CHOICES.get(f.name),
+                help=_HELP[f.name] + ("" if default is None else " (default: %(default)s)"),
             )
         return parser
 
