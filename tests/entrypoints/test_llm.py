@@ -166,6 +166,16 @@ def test_a_bad_prompt_is_refused_under_the_callers_request_id(llm_tp1):
     assert token_ids(llm_tp1.generate([PROMPTS[1]], GREEDY, use_tqdm=False))
 
 
+@pytest.mark.parametrize("key", ["multi_modal_data", "prompt_embeds", "promptt"])
+def test_a_prompt_key_that_would_be_ignored_is_refused(llm_tp1, key):
+    prompt = {"prompt_token_ids": PROMPTS[1], key: None}
+    with pytest.raises(ValueError, match=f"prompt keys \\['{key}'\\] are not served"):
+        llm_tp1.generate([PROMPTS[0], prompt], GREEDY, use_tqdm=False)
+    assert not llm_tp1.engine_core.has_unfinished_requests()  # the call's first prompt too
+    salted = {"prompt_token_ids": PROMPTS[1], "cache_salt": "user-1"}
+    assert token_ids(llm_tp1.generate([salted], GREEDY, use_tqdm=False))
+
+
 def test_a_checkpoint_without_tokenizer_files_fails_with_the_fix_and_stops_its_engine(
     llama_checkpoint,
 ):

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 # A prompt is text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 PromptType = str | list[int] | dict[str, Any]
+# A prompt dict's keys (vLLM's TextPrompt / TokensPrompt, text only).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 # A pooling engine schedules each prompt as a one-token generation; its workers return the
 # prompt's last hidden state where they would sample that token.
@@ -95,8 +97,16 @@ class Processor:
         self._grammar_backend_lock = threading.Lock()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """`(text or None, token ids)` of a prompt. Raises ValueError for an unusable one."""
+        """`(text or None, token ids)` of a prompt. Raises ValueError for an unusable one,
+        and for a dict with keys it would ignore (vLLM's multimodal and embeddings inputs)."""
         if isinstance(prompt, dict):
+            unknown = sorted(prompt.keys() - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"prompt keys {unknown} are not served: a prompt dict takes "
+                    f"{sorted(_PROMPT_KEYS)} (this engine runs text-only models: no "
+                    "multi_modal_data, no prompt_embeds)"
+                )
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt")
