@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from v1engine.engine.processor import as_parent_error
 from v1engine.outputs import CompletionOutput, Logprob, RequestOutput, final_output
 from v1engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -209,8 +210,6 @@ class AsyncBeamSearch:
         """Adds the search's first step and starts its task (`run`); returns the task and the
         queue its output comes on. Raises ValueError when the prompt cannot be served, named
         for `request_id`."""
-        from v1engine.engine.processor import as_parent_error
-
         info, eos_token_id = engine.client.info, engine.processor.eos_token_id
         beams = BeamSearch(prompt_token_ids, params, eos_token_id, info.max_model_len)
         search = cls(engine, request_id, beams, lora_request)
