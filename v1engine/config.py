@@ -219,7 +219,7 @@ class ProfilerConfig:
             self.profiler in PROFILERS,
             f"profiler_config.profiler must be one of {PROFILERS}, got {self.profiler!r}",
         )
-        for f in fields(self)[2:]:
+        for f in (f for f in fields(self) if isinstance(f.default, bool)):
             value = getattr(self, f.name)
             _require(
                 isinstance(value, bool),
