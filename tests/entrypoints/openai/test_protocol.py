@@ -252,6 +252,13 @@ def test_echo_response_puts_prompt_rows_first_and_drops_the_scoring_token(tiny_m
     assert response.usage.completion_tokens == max_tokens
 
 
+def test_minus_one_logprobs_follow_the_engines_rule_for_the_vocabulary():
+    # As the engine counts it: -1 is the vocabulary's size, within any limit at least as large.
+    RequestLimits(max_logprobs=100).check_num_logprobs(-1, "logprobs", vocab_size=50)
+    with pytest.raises(APIError, match=r"--max-logprobs -1 \(or >= 200\)"):
+        RequestLimits(max_logprobs=100).check_num_logprobs(-1, "logprobs", vocab_size=200)
+
+
 def test_minus_one_logprobs_are_every_tokens_on_a_server_without_a_limit():
     with pytest.raises(APIError, match="needs a server started with --max-logprobs -1") as info:
         RequestLimits().check_num_logprobs(-1, "top_logprobs")

@@ -56,14 +56,18 @@ class RequestLimits:
     def check_n(self, n: int) -> None:
         _check_at_most("n", n, "completions", self.max_n, "max_n")
 
-    def check_num_logprobs(self, num_logprobs: int | None, param: str) -> None:
+    def check_num_logprobs(
+        self, num_logprobs: int | None, param: str, vocab_size: int | None = None
+    ) -> None:
+        """The engine's rule, named for the request's field: -1 (vLLM's: every token's) counts
+        as `vocab_size` (unknown: more than any limit but -1)."""
         if num_logprobs is None:
             return
-        if num_logprobs == -1:  # vLLM's: every token's
-            if self.max_logprobs != -1:
+        if num_logprobs == -1:
+            if self.max_logprobs != -1 and (vocab_size is None or vocab_size > self.max_logprobs):
                 raise APIError(
                     f"{param}: -1 (every token's logprob) needs a server started with "
-                    "--max-logprobs -1",
+                    "--max-logprobs -1" + ("" if vocab_size is None else f" (or >= {vocab_size})"),
                     param=param,
                 )
             return

@@ -105,7 +105,8 @@ class OpenAIServingChat(OpenAIServing):
             )
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs")
+        vocab_size = self.engine.client.info.vocab_size
+        self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs", vocab_size)
         mode = tool_mode(request, self.options) if request.tools or request.tool_choice else None
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)

@@ -87,7 +87,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 "the prompt)",
                 param="max_tokens",
             )
-        self.limits.check_num_logprobs(request.logprobs, "logprobs")
+        vocab_size = self.engine.client.info.vocab_size
+        self.limits.check_num_logprobs(request.logprobs, "logprobs", vocab_size)
         if request.echo and request.use_beam_search:
             raise APIError(
                 "echo is not supported with use_beam_search; drop one of them", param="echo"

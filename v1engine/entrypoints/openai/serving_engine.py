@@ -163,9 +163,9 @@ class OpenAIServing:
                 "`prompt_logprobs` are not available when `stream=True`; drop one of them",
                 param="prompt_logprobs",
             )
-        self.limits.check_num_logprobs(request.prompt_logprobs, "prompt_logprobs")
-        self.limits.check_n(request.n)
         vocab_size = self.engine.client.info.vocab_size
+        self.limits.check_num_logprobs(request.prompt_logprobs, "prompt_logprobs", vocab_size)
+        self.limits.check_n(request.n)
         self.limits.check_stop(request.stop_list, request.stop_token_ids or [], vocab_size)
 
     async def make_constraint(
