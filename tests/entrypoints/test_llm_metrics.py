@@ -73,6 +73,8 @@ def test_a_stop_and_an_abort_are_counted_by_their_reason(llm):
     engine.step()
     engine.abort_request("left")
     assert (count("stop"), count("abort")) == (stops + 1, aborts + 1)
+    # Nothing in flight after the abort: the gauges say so without another step.
+    assert _by_name(llm.get_metrics(), Gauge, "vllm:num_requests_running").value == 0
 
 
 def test_the_stats_line_is_logged_every_interval(llama_checkpoint, monkeypatch, caplog):

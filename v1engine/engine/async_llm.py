@@ -334,7 +334,6 @@ class AsyncLLM:
         core_ids = self.processor.abort([request_id])
         for core_id in core_ids:
             self.metrics.finish_request(core_id, outcome)
-        self._reset_idle_gauges()
         return core_ids
 
     def _abort_in_core(self, core_ids: list[str]) -> None:
@@ -371,15 +370,8 @@ class AsyncLLM:
                 queue.put_nowait(request_output)
             if request_output.finished:
                 self._queues.pop(request_output.request_id, None)
-        self._reset_idle_gauges()
         if to_abort:
             await self.client.abort_requests(to_abort)
-
-    def _reset_idle_gauges(self) -> None:
-        # The core sends stats only with outputs, so after an abort of the last request the
-        # gauges would keep its values; with nothing in flight, nothing runs or waits.
-        if not self.output_processor.has_unfinished_requests():
-            self.metrics.reset_idle_gauges()
 
     # -- death -----------------------------------------------------------------------------------
     def _set_dead(self, reason: str) -> None:

@@ -151,8 +151,6 @@ class LLMEngine:
 
     def _record(self, outputs: EngineCoreOutputs, stopped_ids: list[str]) -> None:
         self.metrics.record_step(outputs, stopped_ids)
-        if not self.output_processor.has_unfinished_requests():
-            self.metrics.reset_idle_gauges()  # the core's last stats still count the last ones
         if time.monotonic() >= self._next_log_s:
             self._stat_logger.log()
             self._next_log_s = time.monotonic() + self._log_interval_s

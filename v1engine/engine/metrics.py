@@ -238,6 +238,7 @@ class ServerMetrics:
         self.observe_outputs(outputs)
         for core_id in stopped_ids:
             self.finish_request(core_id, "stop")
+        self._reset_if_idle()  # stats of a step run for requests aborted since
 
     def update_scheduler_stats(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running_reqs)
@@ -260,6 +261,12 @@ class ServerMetrics:
         self.num_requests_running.set(0)
         self.num_requests_waiting.set(0)
         self.kv_cache_usage.set(0)
+
+    def _reset_if_idle(self) -> None:
+        # The core sends stats only with outputs, so once no tracked request is in flight (the
+        # last one finished or was aborted) its last stats would stay: nothing runs or waits.
+        if not self.requests:
+            self.reset_idle_gauges()
 
     def add_request(self, core_id: str, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Starts tracking one engine request, as it is sent."""
@@ -315,6 +322,7 @@ class ServerMetrics:
         """Counts the request by `finished_reason` and records its histograms; None forgets it
         uncounted (the engine refused it). An untracked id (already counted) is ignored."""
         stats = self.requests.pop(core_id, None)
+        self._reset_if_idle()
         if stats is None or finished_reason is None:
             return
         self.request_success[finished_reason].inc()
