@@ -14,6 +14,7 @@ from v1engine.config import (
     CACHE_DTYPES,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    LOAD_FORMATS,
     LOGPROBS_MODES,
     MODEL_DTYPES,
     RUNNER_TYPES,
@@ -41,6 +42,7 @@ def test_cli_choices_are_the_config_lists():
         "scheduling_policy": SCHEDULING_POLICIES,
         "runner": RUNNER_TYPES,
         "logprobs_mode": LOGPROBS_MODES,
+        "load_format": LOAD_FORMATS,
     }
 
 

@@ -18,7 +18,11 @@ def _python_blocks(text: str) -> list[str]:
 def test_the_offline_example_runs_as_a_script(tmp_path):
     with open(os.path.join(ROOT, "README.md")) as f:
         blocks = _python_blocks(f.read())
-    (example,) = [b for b in blocks if "from v1engine import LLM" in b and "profile" not in b]
+    (example,) = [
+        b
+        for b in blocks
+        if "from v1engine import LLM" in b and "profile" not in b and "_sync" not in b
+    ]
     script = tmp_path / "offline_example.py"
     script.write_text(example)
     done = run_script(str(script), cwd=str(tmp_path))
@@ -41,3 +45,11 @@ def test_the_profiling_example_writes_a_trace(tmp_path):
     run_script(str(script), cwd=str(tmp_path))
     assert glob.glob(str(tmp_path / "traces" / "rank0.*.pt.trace.json.gz"))
     assert glob.glob(str(tmp_path / "traces" / "rank0.*.txt"))
+
+
+def test_the_weight_update_example_loads_the_weights(tmp_path):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (example,) = [b for b in _python_blocks(f.read()) if "reload_weights" in b]
+    script = tmp_path / "weights_example.py"
+    script.write_text(example)
+    assert "Paris" in run_script(str(script), cwd=str(tmp_path)).stdout  # not dummy weights'

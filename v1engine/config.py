@@ -32,6 +32,9 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # vLLM's `profiler_config.profiler`: torch.profiler traces (its "cuda", Nsight's capture range,
 # is not offered: run the server under `nsys profile` instead).
 PROFILERS = (None, "torch")
+# vLLM's --load-format: "auto" reads the model's safetensors (or its converted .gguf),
+# "safetensors" and "gguf" insist on that kind of file, "dummy" reads no weights (loader.py).
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -72,9 +75,11 @@ class ModelConfig:
     # limit, and a request may ask for -1, the whole vocabulary. The sampler is profiled at it.
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
+    load_format: str = "auto"  # LOAD_FORMATS
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)
+        _require_choice("load_format", self.load_format, LOAD_FORMATS)
         _require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _require_choice("runner_type", self.runner_type, RUNNER_TYPES[1:])
         _require(self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -116,6 +121,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     worker_cls: str = DEFAULT_WORKER_CLS
+    # vLLM's: a class whose methods are added to the worker's (executor/abstract.py), so
+    # `collective_rpc` can call them; "" for none.
+    worker_extension_cls: str = ""
 
     def __post_init__(self) -> None:
         _require(
@@ -135,6 +143,11 @@ class ParallelConfig:
         _require(
             "." in self.worker_cls,
             f"worker_cls must be a dotted 'module.Class' path, got {self.worker_cls!r}",
+        )
+        _require(
+            not self.worker_extension_cls or "." in self.worker_extension_cls,
+            "worker_extension_cls must be a dotted 'module.Class' path, got "
+            f"{self.worker_extension_cls!r}",
         )
 
     @property

@@ -13,6 +13,7 @@ from v1engine.config import (
     DEFAULT_WORKER_CLS,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    LOAD_FORMATS,
     LOGPROBS_MODES,
     MODEL_DTYPES,
     RUNNER_TYPES,
@@ -35,6 +36,7 @@ _CHOICES = {
     "scheduling_policy": SCHEDULING_POLICIES,
     "runner": RUNNER_TYPES,
     "logprobs_mode": LOGPROBS_MODES,
+    "load_format": LOAD_FORMATS,
 }
 
 # vLLM's short forms.
@@ -46,6 +48,8 @@ _HELP = {
     "model": "an HF checkpoint directory or a .gguf file (default: the embedded "
     "SmolLM2-135M-Instruct)",
     "tokenizer": "the tokenizer's directory (default: the model's)",
+    "load_format": "auto (the model's safetensors, or its .gguf), safetensors, gguf, or dummy "
+    "(random weights, read nothing: to measure speed, or to receive weights later)",
     "tensor_parallel_size": "workers (devices) the model is split over",
     "device": "where the workers run (auto: CUDA when torch sees a GPU, else the CPU)",
     "dtype": "the model's dtype (auto: bfloat16 on CPUs that compute in it natively, else "
@@ -66,6 +70,8 @@ _HELP = {
     "distributed_executor_backend": "mp: a process per worker; uni: one worker in the engine "
     "core's process; ray: Ray actors, across nodes",
     "worker_cls": "the worker class (module.Class), e.g. a WorkerBase subclass of your own",
+    "worker_extension_cls": "a class (module.Class) whose methods are added to the worker's, "
+    "for collective_rpc to call (e.g. a weight sync)",
     "seed": "the seed of the random numbers unseeded requests sample with",
     "enforce_eager": "no CUDA graphs",
     "trust_remote_code": "run the checkpoint's own Python (its config.json's auto_map)",
@@ -98,6 +104,7 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
+    load_format: str = "auto"  # config.LOAD_FORMATS
     tensor_parallel_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -114,6 +121,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str = "mp"
     worker_cls: str = DEFAULT_WORKER_CLS
+    worker_extension_cls: str = ""
     seed: int = 0
     enforce_eager: bool = False
     trust_remote_code: bool = False
@@ -149,6 +157,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 worker_cls=self.worker_cls,
+                worker_extension_cls=self.worker_extension_cls,
             ),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len,
@@ -189,13 +198,19 @@ class EngineArgs:
         """The model's part: its transformers config, the context length resolved against it,
         and the sampling defaults of its generation_config.json."""
         from v1engine.engine.generation_defaults import load_sampling_defaults
-        from v1engine.model.hf_config import load_hf_config, resolve_max_model_len, resolve_runner
+        from v1engine.model.hf_config import (
+            check_load_format,
+            load_hf_config,
+            resolve_max_model_len,
+            resolve_runner,
+        )
 
         if self.runner not in RUNNER_TYPES:
             raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
         hf_config = None
         max_model_len = self.max_model_len or 2048
         if self.model is not None:
+            check_load_format(self.model, self.load_format)
             hf_config = load_hf_config(self.model, self.trust_remote_code, self.hf_overrides)
             max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         return ModelConfig(
@@ -215,6 +230,7 @@ class EngineArgs:
             runner_type=resolve_runner(self.runner, hf_config),
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
+            load_format=self.load_format,
         )
 
     @staticmethod

@@ -215,7 +215,7 @@ def lm_head_copies(worker) -> tuple[bool, bool, bool]:
     return (
         runner.model.lm_head.packed_weight is not None,
         projection.packed_weight is not None,
-        runner.greedy_screen is not None,
+        runner.derived.greedy_screen is not None,
     )
 
 

@@ -65,7 +65,7 @@ def execute_with_logits(
     None when nothing sampled). A step the greedy screen samples records the full LM head's
     logits too, computes nothing else differently, and counts in `screened_steps`."""
     model = worker.model_runner.model
-    screen = worker.model_runner.greedy_screen
+    screen = worker.model_runner.derived.greedy_screen
     recorded: list[torch.Tensor] = []
 
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:

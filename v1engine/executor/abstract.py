@@ -11,38 +11,64 @@ from typing import TYPE_CHECKING, Any
 from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 
 if TYPE_CHECKING:
-    from v1engine.config import EngineConfig
+    from v1engine.config import EngineConfig, ParallelConfig
 
 
-def resolve_worker_cls(qualname: str) -> type:
-    """Imports `module.Class`, with an error that says what to fix."""
+def get_worker_class(parallel_config: ParallelConfig) -> type:
+    """The class each rank builds: `worker_cls`, with `worker_extension_cls` mixed in when set
+    (vLLM's way to add RPC methods, e.g. a weight sync, without replacing the worker).
+
+    Raises:
+        ValueError: a class that cannot be imported, or an extension whose public names the
+            worker class already has (the extension would silently replace a method the engine
+            calls, or be silently hidden by it).
+    """
+    worker_cls = resolve_worker_cls(parallel_config.worker_cls)
+    if not parallel_config.worker_extension_cls:
+        return worker_cls
+    extension = resolve_worker_cls(parallel_config.worker_extension_cls, "worker_extension_cls")
+    own_names = set(dir(extension)) - set(dir(object))
+    clashes = sorted(n for n in own_names if not n.startswith("__") and hasattr(worker_cls, n))
+    if clashes:
+        raise ValueError(
+            f"worker_extension_cls {parallel_config.worker_extension_cls!r} defines {clashes}, "
+            f"which {worker_cls.__qualname__} already has; rename them in the extension"
+        )
+    name = f"{worker_cls.__name__}With{extension.__name__}"
+    return type(name, (worker_cls, extension), {"__module__": worker_cls.__module__})
+
+
+def resolve_worker_cls(qualname: str, option: str = "worker_cls") -> type:
+    """Imports `module.Class`, with an error that names the `option` and says what to fix."""
     module_name, _, cls_name = qualname.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise _cannot_import(qualname, e) from e
+        raise _cannot_import(qualname, e, option) from e
     cls = getattr(module, cls_name, None)
     if not isinstance(cls, type):
-        raise ValueError(
-            f"worker_cls {qualname!r}: module {module_name!r} has no class {cls_name!r}"
-        )
+        raise ValueError(f"{option} {qualname!r}: module {module_name!r} has no class {cls_name!r}")
     return cls
 
 
-def check_worker_module(qualname: str) -> None:
-    """Raises the ValueError `resolve_worker_cls` would for a module that does not exist, without
+def check_worker_modules(parallel_config: ParallelConfig) -> None:
+    """Raises the ValueError `get_worker_class` would for a module that does not exist, without
     running the module (the engine core refuses a typo before it starts any worker)."""
-    try:
-        found = importlib.util.find_spec(qualname.rpartition(".")[0]) is not None
-    except ImportError as e:  # a parent package that does not exist or fails to import
-        raise _cannot_import(qualname, e) from e
-    if not found:
-        raise _cannot_import(qualname, "no such module")
+    for option in ("worker_cls", "worker_extension_cls"):
+        qualname = getattr(parallel_config, option)
+        if not qualname:
+            continue
+        try:
+            found = importlib.util.find_spec(qualname.rpartition(".")[0]) is not None
+        except ImportError as e:  # a parent package that does not exist or fails to import
+            raise _cannot_import(qualname, e, option) from e
+        if not found:
+            raise _cannot_import(qualname, "no such module", option)
 
 
-def _cannot_import(qualname: str, reason: object) -> ValueError:
+def _cannot_import(qualname: str, reason: object, option: str) -> ValueError:
     return ValueError(
-        f"worker_cls {qualname!r}: cannot import module {qualname.rpartition('.')[0]!r} "
+        f"{option} {qualname!r}: cannot import module {qualname.rpartition('.')[0]!r} "
         f"({reason}); pass a dotted path importable from sys.path"
     )
 
@@ -105,7 +131,7 @@ class Executor(ABC):
     def kv_cache_spec_before_start(config: EngineConfig) -> dict[str, Any] | None:
         """The KV cache spec each rank will report, from the worker class and the config alone
         (before any worker starts), or None when the worker class cannot say."""
-        worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
+        worker_cls = get_worker_class(config.parallel_config)
         from_config = getattr(worker_cls, "kv_cache_spec_from_config", None)
         return None if from_config is None else from_config(config)
 
@@ -115,7 +141,7 @@ class Executor(ABC):
         # What calls may name, from the started workers: the worker class is imported where the
         # workers run, not here (its module imports torch, ~1.3 s the workers would wait for).
         self.worker_methods: WorkerMethods | None = None
-        check_worker_module(config.parallel_config.worker_cls)
+        check_worker_modules(config.parallel_config)
         self._init_executor()
 
     @abstractmethod

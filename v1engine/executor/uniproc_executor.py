@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from v1engine.executor.abstract import Executor, build_worker, resolve_worker_cls
+from v1engine.executor.abstract import Executor, build_worker, get_worker_class
 from v1engine.executor.errors import RemoteFailure, WorkerError
 from v1engine.executor.rpc_call import RpcCall, WorkerMethods
 from v1engine.process import get_distributed_init_method
@@ -17,7 +17,7 @@ from v1engine.process import get_distributed_init_method
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        worker_cls = resolve_worker_cls(self.config.parallel_config.worker_cls)
+        worker_cls = get_worker_class(self.config.parallel_config)
         self.worker = build_worker(
             worker_cls,
             self.config,

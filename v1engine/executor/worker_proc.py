@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from v1engine.executor.abstract import build_worker, resolve_worker_cls
+from v1engine.executor.abstract import build_worker, get_worker_class
 from v1engine.executor.errors import RemoteFailure
 from v1engine.executor.message_queue import Handle, MessageQueue, QueueClosedError
 from v1engine.executor.rpc_call import RpcCall, WorkerMethods
@@ -119,7 +119,7 @@ def worker_main(args: WorkerProcArgs, ready_conn: Connection) -> None:
 
 def start_worker(args: WorkerProcArgs) -> StartedWorker:
     """Builds the worker (init_device, load_model) and attaches its queues."""
-    worker_cls = resolve_worker_cls(args.config.parallel_config.worker_cls)
+    worker_cls = get_worker_class(args.config.parallel_config)
     worker = build_worker(
         worker_cls, args.config, args.rank, args.local_rank, args.distributed_init_method
     )

@@ -33,6 +33,16 @@ def is_gguf_file(model: str) -> bool:
     return model.endswith(".gguf") and os.path.isfile(model)
 
 
+def check_load_format(model: str, load_format: str) -> None:
+    """Raises ValueError when `load_format` insists on a kind of checkpoint `model` is not."""
+    gguf = is_gguf_file(os.path.expanduser(model))
+    if (load_format == "gguf" and not gguf) or (load_format == "safetensors" and gguf):
+        kind = "a .gguf file" if gguf else "not a .gguf file"
+        raise ValueError(
+            f"load_format={load_format!r} but model {model!r} is {kind}; use load_format='auto'"
+        )
+
+
 class HFConfig(types.SimpleNamespace):
     """A checkpoint's transformers config as plain attributes: its config class's full JSON form,
     so every default that class fills in is there. This is what `ModelConfig.hf_config` holds

@@ -31,6 +31,7 @@ logger = init_logger(__name__)
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
+_DUMMY_SEED = 1234
 
 
 def get_weight_files(checkpoint_dir: str) -> list[str]:
@@ -82,24 +83,24 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, WeightSource]]:
 
 
 def load_model(
-    checkpoint_dir: str,
+    model_path: str,
     hf_config: Any,
     dtype: torch.dtype,
     device: torch.device | str,
     pooling: bool = False,
+    load_format: str = "auto",
 ) -> nn.Module:
     """The model for `hf_config`, built on `device` in `dtype`, with this rank's weights loaded
     (`pooling`: it only pools, so its LM head gets no packed copy for the CPU gemm).
 
-    `checkpoint_dir` is an HF directory, or a .gguf file (converted once, see
-    `prepare_checkpoint`). Raises RuntimeError/ValueError naming the missing file or tensor when
-    the checkpoint is bad.
+    `model_path` is an HF directory, or a .gguf file (converted once, see `prepare_checkpoint`).
+    `load_format="dummy"` reads no weights: small random values instead, as vLLM's (to measure
+    speed, or to receive a trainer's weights later). Raises RuntimeError/ValueError naming the
+    missing file or tensor when the checkpoint is bad.
     """
     architecture = get_architecture(hf_config)
     model_cls = get_model_class(architecture)
     device = torch.device(device)
-    checkpoint_dir = prepare_checkpoint(checkpoint_dir)
-    files = get_weight_files(checkpoint_dir)
     with torch.device(device):
         model = model_cls(hf_config, dtype, has_lm_head=has_lm_head(architecture))
         if is_classifier(architecture):
@@ -107,15 +108,46 @@ def load_model(
             num_labels = len(classifier_labels(hf_config))
             score = nn.Linear(hf_config.hidden_size, num_labels, bias=False, dtype=dtype)
             model.score = score.requires_grad_(False)
-    weights = iterate_weights(files)
-    if is_base_model(architecture):  # a base model's tensors are its causal class's `model.*`
-        weights = ((_causal_name(name), source) for name, source in weights)
-    # Slices are read on CPU and copied into the device parameters shard by shard.
-    model.load_weights(weights)
+    if load_format == "dummy":
+        initialize_dummy_weights(model)
+    else:
+        load_checkpoint(model, model_path)
     pack_cpu_weights(model, with_lm_head=not pooling)
     model.eval()
-    logger.debug("Loaded %s from %s on %s", model_cls.__name__, checkpoint_dir, device)
+    logger.debug("Loaded %s from %s on %s", model_cls.__name__, model_path, device)
     return model
+
+
+def load_checkpoint(model: nn.Module, model_path: str) -> None:
+    """Reads the whole checkpoint at `model_path` into `model`'s parameters, in place.
+
+    Raises:
+        ValueError: the checkpoint lacks a tensor the model needs (or has one it lacks).
+    """
+    checkpoint_dir = prepare_checkpoint(model_path)
+    weights = iterate_weights(get_weight_files(checkpoint_dir))
+    if is_base_model(get_architecture(model.config)):  # its tensors are the causal `model.*`
+        weights = ((_causal_name(name), source) for name, source in weights)
+    # Slices are read on CPU and copied into the device parameters shard by shard.
+    loaded = model.load_weights(weights)
+    missing = set(model.expected_checkpoint_names()) - loaded
+    if missing:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} lacks {len(missing)} tensor(s) "
+            f"{type(model).__name__} needs, e.g. {sorted(missing)[:5]}; is it complete?"
+        )
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3) -> None:
+    """Every floating-point parameter drawn uniformly from [low, high) by a fixed seed (vLLM's
+    range, small enough for finite activations)."""
+    generator = torch.Generator(device="cpu").manual_seed(_DUMMY_SEED)
+    for param in model.parameters():  # a tied weight once
+        if param.is_floating_point():
+            # Drawn on CPU in float32: the same values whatever the device and dtype.
+            param.copy_(torch.empty(param.shape).uniform_(low, high, generator=generator))
+    model.weights_version += 1
 
 
 def _causal_name(base_name: str) -> str:

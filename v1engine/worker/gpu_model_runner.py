@@ -32,18 +32,17 @@ from v1engine.kv_cache_interface import AttentionSpec, KVCacheConfig
 from v1engine.logger import info_once, init_logger
 from v1engine.lora.layers import LoRAMapping
 from v1engine.lora.manager import LoRAModelManager
-from v1engine.model.hf_config import prepare_checkpoint, resolve_dtype
+from v1engine.model.derived_weights import DerivedWeights
+from v1engine.model.hf_config import resolve_dtype
 from v1engine.model.layers.attention import Attention, get_attention_layers
 from v1engine.model.layers.attention_backend import (
     AttentionBackend,
     get_default_attention_backend,
     set_forward_context,
 )
-from v1engine.model.layers.greedy_screen import GreedyScreen
-from v1engine.model.layers.linear import packed_weight_bytes
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.layers.sampling_metadata import SamplingMetadata
-from v1engine.model.loader import load_model
+from v1engine.model.loader import load_checkpoint, load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
@@ -99,8 +98,8 @@ class GPUModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.weights_bytes = 0
         self.sampler = Sampler(model_config.logprobs_mode)
-        # CPU, float32, one rank: greedy steps of a few rows read the LM head in bfloat16 first.
-        self.greedy_screen: GreedyScreen | None = None
+        # The weights' packed copies and the greedy screen (derived_weights.py).
+        self.derived: DerivedWeights | None = None
         # The request states and the persistent batch; built with the KV cache.
         self.states: RequestStates | None = None
         # Per KV cache group, the spec its attention metadata is built for.
@@ -113,20 +112,18 @@ class GPUModelRunner:
     # -- start-up -------------------------------------------------------------------------------
     def load_model(self) -> None:
         start = time.perf_counter()
-        checkpoint_dir = prepare_checkpoint(self.config.model_config.model)
+        config = self.config.model_config
         self.model = load_model(
-            checkpoint_dir, self.hf_config, self.dtype, self.device, self.pooling
+            config.model, self.hf_config, self.dtype, self.device, self.pooling, config.load_format
         )
         self.attn_layers = get_attention_layers(self.model)
         self.attn_backend = get_default_attention_backend(self.device.type)
         # A pooling engine never samples: no bfloat16 copy of the LM head either.
-        self.greedy_screen = None if self.pooling else GreedyScreen.for_model(self.model)
-        # parameters() yields a tied weight once; the CPU gemm's packed copies are not parameters.
-        self.weights_bytes = sum(
+        self.derived = DerivedWeights(self.model, with_greedy_screen=not self.pooling)
+        # parameters() yields a tied weight once; the derived copies are not parameters.
+        self.weights_bytes = self.derived.nbytes + sum(
             p.numel() * p.element_size() for p in self.model.parameters()
-        ) + packed_weight_bytes(self.model)
-        if self.greedy_screen is not None:
-            self.weights_bytes += self.greedy_screen.nbytes
+        )
         if self.config.lora_config is not None:
             lora_config = self.config.lora_config
             self.lora = LoRAModelManager(
@@ -142,6 +139,11 @@ class GPUModelRunner:
             time.perf_counter() - start,
             self.weights_bytes / GiB_bytes,
         )
+
+    def reload_weights(self) -> None:
+        """Reads the checkpoint into the live model again, in place (e.g. after starting with
+        `load_format="dummy"`); the derived copies follow before the next step."""
+        load_checkpoint(self.model, self.config.model_config.model)
 
     def get_kv_cache_spec(self) -> dict[str, AttentionSpec]:
         """Layer name -> spec, with this rank's KV heads and the cache dtype."""
@@ -271,6 +273,7 @@ class GPUModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs one scheduled step. Returns: the sampled tokens on the driver, None elsewhere."""
         self._update_states(scheduler_output)
+        self.derived.refresh_if_stale()  # weights loaded again since the last step
         batch = self.states.input_batch
         req_ids = list(batch.req_ids)
         query_lens = np.array(
@@ -377,7 +380,7 @@ class GPUModelRunner:
         self, hidden: torch.Tensor, metadata: SamplingMetadata
     ) -> tuple[torch.Tensor, LogprobsLists | None]:
         """The sampling rows' tokens [num_sampling] and logprobs, on the driver."""
-        screen = self.greedy_screen
+        screen = self.derived.greedy_screen
         if screen is not None and metadata.argmax_only and screen.applies(len(hidden)):
             token_ids = screen.argmax(hidden)
             if token_ids is not None:

@@ -107,6 +107,12 @@ class Worker(WorkerBase):
     def load_model(self) -> None:
         self.model_runner.load_model()
 
+    def reload_weights(self) -> None:
+        """vLLM's: reads the checkpoint into the running model again, in place (`LLM(...,
+        load_format="dummy")` then `llm.collective_rpc("reload_weights")`). Prefixes cached
+        before were computed by the old weights: call `reset_prefix_cache()` after it."""
+        self.model_runner.reload_weights()
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_spec()
 

@@ -58,11 +58,18 @@ class GreedyScreen:
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: the LM head's float32 rows [vocab_size, hidden_size] (not copied)."""
         self.weight = weight
-        self.weight_bf16 = weight.to(torch.bfloat16)
-        u, hidden_size = _UNIT_ROUNDOFF_BF16, weight.shape[1]
+        self.weight_bf16 = torch.empty_like(weight, dtype=torch.bfloat16)
+        self.products_bound = 0.0
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Derives the bfloat16 copy and the bound from `weight` again (after it was loaded
+        again in place)."""
+        self.weight_bf16.copy_(self.weight)
+        u, hidden_size = _UNIT_ROUNDOFF_BF16, self.weight.shape[1]
         products = 2 * u + u * u + 2 * hidden_size * _UNIT_ROUNDOFF_FP32 * (1 + 2 * u)
         # P in B_r = P |h| + u |a_r|.
-        self.products_bound = _SLACK * products * weight.norm(dim=1).max().item()
+        self.products_bound = _SLACK * products * self.weight.norm(dim=1).max().item()
 
     @classmethod
     def for_model(cls, model: nn.Module) -> GreedyScreen | None:

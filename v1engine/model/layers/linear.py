@@ -249,6 +249,15 @@ def pack_cpu_weights(model: nn.Module, with_lm_head: bool = True) -> None:
         module.packed_weight = cpu_kernels.pack_weight(module.weight)
 
 
+def repack_cpu_weights(model: nn.Module) -> None:
+    """Rewrites every packed copy from its weight, after the weights were loaded again. In
+    place: the CPU decoder stack holds the copies' addresses."""
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:
+            packed.copy_(cpu_kernels.pack_weight(module.weight))
+
+
 def packed_weight_bytes(model: nn.Module) -> int:
     """What `pack_cpu_weights` added to `model`'s memory."""
     packed = (getattr(m, "packed_weight", None) for m in model.modules())

@@ -4,7 +4,8 @@ Interface the model runner relies on, shared by all models in this package:
 `model(input_ids [num_tokens], positions [num_tokens]) -> hidden [num_tokens, hidden_size]`, or
 `model(input_ids, positions, output_rows [n]) -> hidden [n, hidden_size]` for those rows only,
 `model.compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]` float32, and
-`model.load_weights(iterable of (checkpoint name, tensor or safetensors slice))`.
+`model.load_weights(iterable of (checkpoint name, tensor or safetensors slice)) -> names loaded`
+(all of a checkpoint, or any part of it later), which bumps `model.weights_version`.
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
+        self.weights_version = 0  # bumped by every load_weights
         with _default_dtype(dtype):
             self.model = LlamaModel(hf_config, self.attention_cls)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
@@ -246,14 +248,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
-        """Loads checkpoint tensors (HF names) into this rank's shards.
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Loads checkpoint tensors (HF names) into this rank's shards, in place: the whole
+        checkpoint at start-up, or any part of it later (an RL trainer's new weights, as in
+        vLLM's recipe). Returns the names it loaded; `weights_version` counts the calls, so the
+        model runner knows to refresh the copies it derives from the weights.
 
         Raises:
-            ValueError: a checkpoint tensor has no parameter here, or a parameter got no tensor.
+            ValueError: a checkpoint tensor has no parameter here, or the wrong shape.
         """
         params = dict(self.named_parameters())
-        missing = set(self.expected_checkpoint_names())
+        loaded_names = set()
         for name, loaded in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -268,12 +273,9 @@ class LlamaForCausalLM(nn.Module):
             param = params[param_name]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             weight_loader(param, loaded, shard_id)
-            missing.discard(name)
-        if missing:
-            raise ValueError(
-                f"checkpoint lacks {len(missing)} tensor(s) {type(self).__name__} needs, "
-                f"e.g. {sorted(missing)[:5]}; is the checkpoint complete?"
-            )
+            loaded_names.add(name)
+        self.weights_version += 1
+        return loaded_names
 
     def expected_checkpoint_names(self) -> list[str]:
         """The HF tensor names a complete checkpoint provides (fused params expanded)."""
