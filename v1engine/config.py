@@ -37,6 +37,24 @@ PROFILERS = (None, "torch")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
+# vLLM's sleep mode (worker/sleep_mode.py): what `sleep(level)` frees, what `wake_up(tags)` takes.
+SLEEP_LEVELS = (1, 2)
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def check_sleep_args(level: int | None = None, tags: list[str] | None = None) -> None:
+    """Raises ValueError for a sleep level or wake-up tags that do not exist."""
+    _require(
+        level is None or (not isinstance(level, bool) and level in SLEEP_LEVELS),
+        "sleep level must be 1 (weights to host memory, KV cache dropped) or 2 (both dropped), "
+        f"got {level!r}",
+    )
+    _require(
+        tags is None or (isinstance(tags, (list, tuple)) and set(tags) <= set(SLEEP_TAGS)),
+        f"wake_up tags must be a list of {list(SLEEP_TAGS)} (None: both), got {tags!r}",
+    )
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -76,6 +94,7 @@ class ModelConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # LOGPROBS_MODES
     load_format: str = "auto"  # LOAD_FORMATS
+    enable_sleep_mode: bool = False  # vLLM's: `sleep` / `wake_up` (worker/sleep_mode.py)
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, MODEL_DTYPES)

@@ -7,8 +7,8 @@ Client -> core, on the input socket (client PUSH binds, core PULL connects):
     ADD       EngineCoreRequest; the client validated it already (`validate_request`)
     ABORT     list[str]: request ids; no output follows but what was already sent
     UTILITY   UtilityCall(call_id, method, kwargs): "collective_rpc" (kwargs: `RpcCall.to_wire()`,
-              see executor/rpc_call.py), "profile" (kwargs: is_start, profile_prefix) or
-              "reset_prefix_cache"
+              see executor/rpc_call.py), or one of `ENGINE_CORE_UTILITIES`, the EngineCore
+              method of that name called with the kwargs
     SHUTDOWN  empty: stop the workers and exit 0
 
 Core -> client, on the output socket (client PULL binds, core PUSH connects):
@@ -38,6 +38,9 @@ from typing import Any
 import msgspec
 
 from v1engine.executor.errors import RemoteFailure, WorkerError
+
+# The EngineCore methods a client may call by name (their results are msgpack-able).
+ENGINE_CORE_UTILITIES = ("reset_prefix_cache", "profile", "sleep", "wake_up", "is_sleeping")
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

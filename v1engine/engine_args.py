@@ -72,6 +72,8 @@ _HELP = {
     "worker_cls": "the worker class (module.Class), e.g. a WorkerBase subclass of your own",
     "worker_extension_cls": "a class (module.Class) whose methods are added to the worker's, "
     "for collective_rpc to call (e.g. a weight sync)",
+    "enable_sleep_mode": "allow sleep() / wake_up(), which give back the memory of the KV cache "
+    "and the weights between uses (the server's /sleep and /wake_up, in dev mode)",
     "seed": "the seed of the random numbers unseeded requests sample with",
     "enforce_eager": "no CUDA graphs",
     "trust_remote_code": "run the checkpoint's own Python (its config.json's auto_map)",
@@ -105,6 +107,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     load_format: str = "auto"  # config.LOAD_FORMATS
+    enable_sleep_mode: bool = False
     tensor_parallel_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -231,6 +234,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
             load_format=self.load_format,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     @staticmethod

@@ -1,7 +1,9 @@
-"""Worker extensions (`worker_extension_cls`) for test_llm_weight_sync.py."""
+"""Worker extensions (`worker_extension_cls`) and worker-side probes for the tests of weight
+updates and sleep mode (test_llm_weight_sync.py, test_llm_sleep.py)."""
 
 from __future__ import annotations
 
+import psutil
 import torch
 
 
@@ -16,3 +18,16 @@ class WeightSync:
 class ClashingExtension:
     def load_model(self) -> None:  # the worker's own: refused, not silently replaced
         raise AssertionError("never called")
+
+
+def worker_vms(worker) -> int:
+    """The worker process's mapped memory, in bytes: a CPU KV cache is an anonymous mapping whose
+    pages become resident only as blocks are written, so its release shows here in full."""
+    return psutil.Process().memory_info().vms
+
+
+def weight_storage_bytes(worker) -> int:
+    """The bytes the storages of the model's parameters hold (0 once sleep level 2 freed them)."""
+    params = worker.model_runner.model.parameters()
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+    return sum(storages.values())

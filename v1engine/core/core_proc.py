@@ -37,6 +37,7 @@ import zmq
 from v1engine.config import EngineConfig
 from v1engine.core.engine_core import EngineCore
 from v1engine.core_protocol import (
+    ENGINE_CORE_UTILITIES,
     EngineCoreOutputType,
     EngineCoreRequestType,
     RequestError,
@@ -202,15 +203,13 @@ class EngineCoreProc:
 
     def _call_utility(self, call: UtilityCall) -> Any:
         assert self.engine_core is not None
-        if call.method == "reset_prefix_cache":
-            return self.engine_core.reset_prefix_cache()
-        if call.method == "profile":
-            return self.engine_core.profile(**call.kwargs)
         if call.method == "collective_rpc":
             return self.engine_core.executor.run_rpc(RpcCall.from_wire(call.kwargs))
+        if call.method in ENGINE_CORE_UTILITIES:
+            return getattr(self.engine_core, call.method)(**call.kwargs)
         raise ValueError(
-            f"unknown utility method {call.method!r}; the engine core serves "
-            "'collective_rpc', 'profile' and 'reset_prefix_cache'"
+            f"unknown utility method {call.method!r}; the engine core serves 'collective_rpc' "
+            f"and {ENGINE_CORE_UTILITIES}"
         )
 
     # -- output and shut-down ------------------------------------------------------------------

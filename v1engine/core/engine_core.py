@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from v1engine.config import EngineConfig
+from v1engine.config import SLEEP_TAGS, EngineConfig, check_sleep_args
 from v1engine.core.kv_cache_utils import (
     check_enough_kv_cache_memory,
     get_kv_cache_capacity,
@@ -47,6 +47,9 @@ _GRAMMAR_WAIT_S = 0.01
 # How long the workers may take to start or stop a profile: a stop writes the traces, which vLLM's
 # docs say takes minutes for a long profile of a big model.
 PROFILE_RPC_TIMEOUT_S = 1800.0
+# How long the workers may take to sleep or wake: copying the weights of a big model to host
+# memory and back, or (level 2 then `reload_weights`) nothing slower than loading them.
+SLEEP_RPC_TIMEOUT_S = 600.0
 
 
 class EngineCore:
@@ -95,6 +98,8 @@ class EngineCore:
         # or two while async scheduling runs the workers a step ahead.
         self._in_flight: deque[tuple[SchedulerOutput, Future]] = deque()
         self._profiling = False  # the workers' torch.profiler sessions run (`profile`)
+        self._asleep: set[str] = set()  # the SLEEP_TAGS that `sleep` freed and are not woken
+        self._sleep_level = 0
         logger.info(
             "Engine ready in %.2f s (%s)",
             sum(self._startup_s.values()),
@@ -137,6 +142,11 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request. Raises ValueError (and changes nothing) when it cannot be served."""
+        if self._asleep:
+            raise ValueError(
+                f"the engine is asleep (sleep level {self._sleep_level}); call wake_up() "
+                "before adding requests"
+            )
         validate_request(request, self.info, self.scheduler.requests)
         max_model_len = self.info.max_model_len
         self.scheduler.add_request(Request.from_engine_core_request(request, max_model_len))
@@ -227,6 +237,48 @@ class EngineCore:
         call = RpcCall("profile", (is_start, profile_prefix), timeout=PROFILE_RPC_TIMEOUT_S)
         self.executor.run_rpc(call)
         self._profiling = is_start
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (worker/sleep_mode.py): every worker drops its KV cache, and its
+        weights to host memory (level 1) or entirely (level 2); the cached prefixes go with the
+        cache, and requests are refused until `wake_up`.
+
+        Raises:
+            RuntimeError: sleep mode is off, the engine sleeps already, or requests are in
+                flight (sleep once they finish, or abort them).
+            ValueError: a level other than 1 or 2.
+        """
+        check_sleep_args(level)
+        if not self.config.model_config.enable_sleep_mode:
+            raise RuntimeError(
+                "sleep mode is off; start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode)"
+            )
+        if self._asleep:
+            raise RuntimeError(f"the engine is asleep already (level {self._sleep_level})")
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError(
+                f"{self.scheduler.get_num_unfinished_requests()} request(s) are in flight; "
+                "sleep once they finish, or abort them"
+            )
+        while self._in_flight or self.scheduler.has_finished_requests():
+            self.step()  # the workers learn of the last finished requests before they sleep
+        self.scheduler.reset_prefix_cache()
+        self.executor.run_rpc(RpcCall("sleep", (level,), timeout=SLEEP_RPC_TIMEOUT_S))
+        self._asleep, self._sleep_level = set(SLEEP_TAGS), level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes `tags` ("weights", "kv_cache"; both when None): after level 2, wake the
+        weights, load some (`reload_weights`, or a worker extension's `load_weights`), then the
+        KV cache. Waking what is awake does nothing. Raises ValueError for other tags."""
+        check_sleep_args(tags=tags)
+        waking = sorted(set(SLEEP_TAGS if tags is None else tags) & self._asleep)
+        if waking:
+            self.executor.run_rpc(RpcCall("wake_up", (waking,), timeout=SLEEP_RPC_TIMEOUT_S))
+            self._asleep.difference_update(waking)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; False (and nothing done) while requests run."""

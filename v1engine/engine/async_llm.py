@@ -27,9 +27,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from v1engine.config import EngineConfig
+from v1engine.engine.async_control import AsyncEngineControl
 from v1engine.engine.beam_search import AsyncBeamSearch
 from v1engine.engine.core_process import (
     EngineDeadError,
+    EngineSleepingError,
     RequestAbortedError,
     ServerShutdownError,
     summarize_dead_reason,
@@ -52,8 +54,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-class AsyncLLM:
-    """Args:
+class AsyncLLM(AsyncEngineControl):
+    """Engine-wide calls (prefix cache, profiler, sleep mode, collective_rpc): async_control.py.
+
+    Args:
     client: an `AsyncMPClient` (or anything with its async add/abort/get_output methods).
     tokenizer: the model's tokenizer, for the detokenizer and stop strings.
     config: the engine configuration the client was built from.
@@ -177,15 +181,6 @@ class AsyncLLM:
         self.shutdown()
         await self.stop()  # waits for the tasks the shutdown cancelled
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.client.reset_prefix_cache()
-
-    async def start_profile(self) -> None:
-        await self.client.profile(True)  # needs profiler_config (config.ProfilerConfig)
-
-    async def stop_profile(self) -> None:
-        await self.client.profile(False)
-
     async def check_health(self) -> None:
         if self._closed:  # dead, or shut down (or shutting down)
             raise EngineDeadError(self.dead_reason or "the engine was shut down")
@@ -248,6 +243,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
         if self._closed:
             raise ServerShutdownError("the server is shutting down")
+        if self.sleeping:
+            raise EngineSleepingError("the engine is asleep (sleep mode); wake it up first")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         sent: list[str] = []  # a send cancelled half-way may have reached the core: counted

@@ -32,6 +32,7 @@ import zmq
 
 from v1engine.config import EngineConfig
 from v1engine.core_protocol import (
+    ENGINE_CORE_UTILITIES,
     EngineCoreInfo,
     EngineCoreRequestType,
     UtilityCall,
@@ -58,8 +59,9 @@ SEND_RETRY_SLICE_S = 0.01
 class EngineCoreClient(ABC):
     """The front end's handle on an EngineCore. Sync clients offer `add_request(request)`,
     `abort_requests(ids)`, `get_output(timeout) -> EngineCoreOutputs`, `collective_rpc(...)`,
-    `reset_prefix_cache() -> bool`, `profile(is_start, profile_prefix)` and `shutdown()`;
-    AsyncMPClient the same as coroutines.
+    `reset_prefix_cache() -> bool`, `call_utility(method, **kwargs)` (the EngineCore methods
+    of `ENGINE_CORE_UTILITIES`: profile, sleep, ...) and `shutdown()`; AsyncMPClient the same
+    as coroutines.
 
     Raises (every call):
         EngineDeadError: the engine core or one of its workers died, or the client was shut down.
@@ -152,9 +154,11 @@ class InprocClient(EngineCoreClient):
         with self._guard():
             return self.engine_core.reset_prefix_cache()
 
-    def profile(self, is_start: bool, profile_prefix: str | None = None) -> None:
+    def call_utility(self, method: str, **kwargs: Any) -> Any:
+        """The EngineCore method `method` (one of ENGINE_CORE_UTILITIES), called with `kwargs`."""
+        _check_utility(method)
         with self._guard():
-            self.engine_core.profile(is_start, profile_prefix)
+            return getattr(self.engine_core, method)(**kwargs)
 
     def shutdown(self) -> None:
         if self._dead_reason is None:
@@ -170,6 +174,11 @@ class InprocClient(EngineCoreClient):
         except WorkerDiedError as e:
             self._dead_reason = str(e)
             raise EngineDeadError(str(e)) from e
+
+
+def _check_utility(method: str) -> None:
+    if method not in ENGINE_CORE_UTILITIES:
+        raise ValueError(f"unknown engine core utility {method!r}; one of {ENGINE_CORE_UTILITIES}")
 
 
 @contextmanager
@@ -339,9 +348,10 @@ class AsyncMPClient(MPClient):
     async def reset_prefix_cache(self) -> bool:
         return await self._call(*self._utility_frames("reset_prefix_cache"))
 
-    async def profile(self, is_start: bool, profile_prefix: str | None = None) -> None:
-        frames = self._utility_frames("profile", is_start=is_start, profile_prefix=profile_prefix)
-        await self._call(*frames)
+    async def call_utility(self, method: str, **kwargs: Any) -> Any:
+        """The core's EngineCore method `method` (one of ENGINE_CORE_UTILITIES), with `kwargs`."""
+        _check_utility(method)
+        return await self._call(*self._utility_frames(method, **kwargs))
 
     def shutdown(self) -> None:
         reason = "the engine core client was shut down"

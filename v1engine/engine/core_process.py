@@ -157,6 +157,12 @@ class ServerShutdownError(EngineDeadError):
     An EngineDeadError, because for the request the outcome is the same: retry elsewhere."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine sleeps (sleep mode) and serves no request until it is woken up. An
+    EngineDeadError because for the request the outcome is the same (a 503: retry later), though
+    the engine lives."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was aborted (its client went away) while someone still read its outputs."""
 

@@ -186,6 +186,16 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (`EngineCore.sleep`; needs enable_sleep_mode)."""
+        self.client.call_utility("sleep", level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.client.call_utility("wake_up", tags=tags)
+
+    def is_sleeping(self) -> bool:
+        return self.client.call_utility("is_sleeping")
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer prompts go through (None with `skip_tokenizer_init`)."""
         return self.tokenizer

@@ -225,11 +225,22 @@ class LLM(PoolingMixin):
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Starts every worker's torch.profiler session (`profiler_config`; worker/profiler.py)."""
-        self.llm_engine.client.profile(True, profile_prefix)
+        self.llm_engine.client.call_utility("profile", is_start=True, profile_prefix=profile_prefix)
 
     def stop_profile(self) -> None:
         """Stops the profile: each rank writes its trace and its table of ops."""
-        self.llm_engine.client.profile(False)
+        self.llm_engine.client.call_utility("profile", is_start=False)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs `enable_sleep_mode=True`): every worker drops its KV cache,
+        and its weights to host memory (level 1) or entirely (level 2: then wake the weights,
+        load new ones, e.g. `collective_rpc("reload_weights")`, and wake the KV cache).
+        Generation is refused until `wake_up`; `llm_engine.is_sleeping()` tells."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Takes back the memory of `tags` ("weights", "kv_cache"; both when None)."""
+        self.llm_engine.wake_up(tags)
 
     # -- steps ---------------------------------------------------------------------------------
     def _run(

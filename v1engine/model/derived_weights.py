@@ -9,6 +9,9 @@ On CPU in float32 the loader gives each matmul a packed copy of its weight for o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import torch
 from torch import nn
 
 from v1engine.model.layers.greedy_screen import GreedyScreen
@@ -28,6 +31,13 @@ class DerivedWeights:
         """What the copies add to the weights' memory."""
         screen = 0 if self.greedy_screen is None else self.greedy_screen.nbytes
         return packed_weight_bytes(self.model) + screen
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The copies themselves (sleep mode frees them with the weights)."""
+        packed = (getattr(m, "packed_weight", None) for m in self.model.modules())
+        yield from (p for p in packed if p is not None)
+        if self.greedy_screen is not None:
+            yield self.greedy_screen.weight_bf16
 
     def refresh_if_stale(self) -> None:
         if self.model.weights_version == self.version:

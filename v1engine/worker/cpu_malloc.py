@@ -54,3 +54,15 @@ def tune_malloc_for_tensors() -> bool:
     if not applied:
         logger.warning("glibc mallopt refused a setting; CPU steps may page-fault more")
     return applied
+
+
+def release_free_heap() -> None:
+    """Returns the free memory of this process's heap to the OS (glibc's malloc_trim): the
+    thresholds above keep freed blocks for reuse, which memory given back on purpose (sleep
+    mode) must not be. Does nothing off glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

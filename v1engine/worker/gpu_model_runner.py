@@ -42,7 +42,7 @@ from v1engine.model.layers.attention_backend import (
 )
 from v1engine.model.layers.sampler import Sampler
 from v1engine.model.layers.sampling_metadata import SamplingMetadata
-from v1engine.model.loader import load_checkpoint, load_model
+from v1engine.model.loader import load_model
 from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
@@ -104,6 +104,7 @@ class GPUModelRunner:
         self.states: RequestStates | None = None
         # Per KV cache group, the spec its attention metadata is built for.
         self.kv_cache_group_specs: list[AttentionSpec] = []
+        self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # Captured by capture_cuda_graphs (CUDA only); decode-only steps replay them.
         self.cuda_graphs: DecodeCudaGraphs | None = None
@@ -139,11 +140,6 @@ class GPUModelRunner:
             time.perf_counter() - start,
             self.weights_bytes / GiB_bytes,
         )
-
-    def reload_weights(self) -> None:
-        """Reads the checkpoint into the live model again, in place (e.g. after starting with
-        `load_format="dummy"`); the derived copies follow before the next step."""
-        load_checkpoint(self.model, self.config.model_config.model)
 
     def get_kv_cache_spec(self) -> dict[str, AttentionSpec]:
         """Layer name -> spec, with this rank's KV heads and the cache dtype."""
@@ -195,6 +191,7 @@ class GPUModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         start = time.perf_counter()
+        self.kv_cache_config = kv_cache_config
         self.kv_caches = allocate_kv_caches(kv_cache_config, self.device)
         bind_kv_caches(self.attn_layers, self.kv_caches, kv_cache_config)
         groups = kv_cache_config.kv_cache_groups
@@ -245,12 +242,16 @@ class GPUModelRunner:
         graphs.capture()
         self.cuda_graphs = graphs
 
-    def shutdown(self) -> None:
-        self.cuda_graphs = None  # the graphs hold the caches' addresses
+    def release_kv_cache(self) -> None:
+        """Drops the KV cache, the persistent batch and the CUDA graphs (they hold the caches'
+        addresses); `initialize_kv_cache(self.kv_cache_config)` builds them again."""
+        self.cuda_graphs = None
         unbind_kv_caches(self.attn_layers)
         self.kv_caches = {}
         self.states = None
         self.kv_cache_group_specs = []
+
+    shutdown = release_kv_cache
 
     # -- one step --------------------------------------------------------------------------------
     def _forward(

@@ -18,6 +18,7 @@ from v1engine.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from v1engine.logger import info_once, init_logger
 from v1engine.model.hf_config import get_architecture, load_hf_config, resolve_dtype
 from v1engine.model.layers.linear import LinearBase
+from v1engine.model.loader import load_checkpoint
 from v1engine.model.parallel_state import destroy_distributed, init_distributed
 from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
@@ -37,6 +38,7 @@ from v1engine.worker.memory import (
     profile_cuda,
 )
 from v1engine.worker.profiler import WorkerProfiler
+from v1engine.worker.sleep_mode import WorkerSleep
 from v1engine.worker.worker_base import WorkerBase
 
 logger = init_logger(__name__)
@@ -103,6 +105,7 @@ class Worker(WorkerBase):
         self.model_runner = GPUModelRunner(
             self.config, hf_config, self.device, is_driver=self.is_driver_worker
         )
+        self.sleep_mode = WorkerSleep(self.model_runner)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -110,8 +113,9 @@ class Worker(WorkerBase):
     def reload_weights(self) -> None:
         """vLLM's: reads the checkpoint into the running model again, in place (`LLM(...,
         load_format="dummy")` then `llm.collective_rpc("reload_weights")`). Prefixes cached
-        before were computed by the old weights: call `reset_prefix_cache()` after it."""
-        self.model_runner.reload_weights()
+        before were computed by the old weights: call `reset_prefix_cache()` after it. The
+        copies derived from the weights follow before the next step (derived_weights.py)."""
+        load_checkpoint(self.model_runner.model, self.config.model_config.model)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_spec()
@@ -206,6 +210,15 @@ class Worker(WorkerBase):
             self.profiler.start(profile_prefix)
             return None
         return self.profiler.stop()
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (worker/sleep_mode.py): drops the KV cache, and the weights to host
+        memory (level 1) or entirely (level 2). Returns the bytes freed."""
+        return self.sleep_mode.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Takes back the memory of `tags` ("weights", "kv_cache"; both when None)."""
+        self.sleep_mode.wake_up(tags)
 
     def check_health(self) -> None:
         if self.device is not None and self.device.type == "cuda":

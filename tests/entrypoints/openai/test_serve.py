@@ -261,8 +261,10 @@ def test_error_statuses(server, client):
     )
     assert response.status_code == 400
     assert "malformed JSON" in response.json()["error"]["message"]
-    # Without --profiler-config there is no profiling route, as in vLLM.
-    assert httpx.post(server.url + "/start_profile").status_code == 404
+    # Without --profiler-config there is no profiling route, and without dev mode no control
+    # route, as in vLLM.
+    for path in ("/start_profile", "/sleep", "/reset_prefix_cache", "/collective_rpc"):
+        assert httpx.post(server.url + path).status_code == 404, path
     # None of that disturbed the engine.
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage
 

@@ -6,7 +6,9 @@ names every request's logprob tokens by id, --enable-log-requests logs requests 
 --max-log-len), --allowed-origins limits CORS to the origins given, --scheduling-policy priority
 takes each request's `priority`, --root-path serves behind a proxy's prefix,
 --disable-fastapi-docs serves no docs, --profiler-config serves /start_profile and /stop_profile,
-and the periodic stats line (vLLM's "Avg prompt throughput: ...") reports the work done."""
+dev mode (V1ENGINE_SERVER_DEV_MODE=1) with --enable-sleep-mode serves /sleep, /wake_up,
+/is_sleeping, /reset_prefix_cache and /collective_rpc, and the periodic stats line (vLLM's "Avg
+prompt throughput: ...") reports the work done."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def server(tiny_model, tmp_path_factory, traces):
     flags += ("--enable-request-id-headers", "--return-tokens-as-token-ids")
     flags += ("--enable-log-requests", "--max-log-len", "10")
     flags += ("--allowed-origins", f'["{ORIGIN}"]', "--scheduling-policy", "priority")
-    flags += ("--root-path", "/llm", "--disable-fastapi-docs")
+    flags += ("--root-path", "/llm", "--disable-fastapi-docs", "--enable-sleep-mode")
     yield from serve_module(
         tiny_model,
         tmp_path_factory,
@@ -48,7 +50,7 @@ def server(tiny_model, tmp_path_factory, traces):
         MODEL,
         *flags,
         tp=1,
-        env={"V1ENGINE_LOG_STATS_INTERVAL": "0.2"},
+        env={"V1ENGINE_LOG_STATS_INTERVAL": "0.2", "V1ENGINE_SERVER_DEV_MODE": "1"},
     )
 
 
@@ -70,6 +72,39 @@ def test_a_profile_of_served_requests_is_written_by_the_worker(server, client, t
     (table,) = glob.glob(f"{traces}/rank0.*.txt")
     assert "Self CPU" in open(table).read()
     assert "no profile is running" in httpx.post(server.url + "/stop_profile").text
+
+
+def test_dev_mode_puts_the_engine_to_sleep_and_wakes_it(server, client):
+    def chat() -> str:
+        done = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+        )
+        return done.choices[0].message.content
+
+    awake = chat()
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 200
+    assert httpx.post(server.url + "/sleep", params={"level": 1}).status_code == 200
+    try:
+        assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": True}
+        refused = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+        )
+        assert refused.status_code == 503
+        assert "asleep" in refused.json()["error"]["message"]
+        again = httpx.post(server.url + "/sleep", params={"level": 2})
+        assert again.status_code == 400 and "asleep already" in again.text
+        bad = httpx.post(server.url + "/wake_up", params={"tags": ["gpu"]})
+        assert bad.status_code == 400 and "wake_up tags must be" in bad.text
+    finally:
+        tags = {"tags": ["weights", "kv_cache"]}
+        assert httpx.post(server.url + "/wake_up", params=tags).status_code == 200
+    assert httpx.get(server.url + "/is_sleeping").json() == {"is_sleeping": False}
+    assert chat() == awake
+    rpc = httpx.post(server.url + "/collective_rpc", json={"method": "check_health"})
+    assert rpc.json() == {"results": [None]}
+    unknown = httpx.post(server.url + "/collective_rpc", json={"method": "format_disk"})
+    assert unknown.status_code == 400 and "unknown RPC method 'format_disk'" in unknown.text
 
 
 def test_the_clients_id_names_the_response(client):

@@ -32,9 +32,10 @@ from starlette.middleware.cors import CORSMiddleware
 from v1engine import __version__
 from v1engine.config import EngineConfig
 from v1engine.engine.async_llm import AsyncLLM
-from v1engine.engine.core_process import EngineDeadError, summarize_dead_reason
+from v1engine.engine.core_process import summarize_dead_reason
 from v1engine.engine.metrics import ServerMetrics
 from v1engine.engine.stat_logger import LoggingStatLogger
+from v1engine.entrypoints.openai.api_control import include_control_routes
 from v1engine.entrypoints.openai.errors import APIError, install_error_handlers
 from v1engine.entrypoints.openai.http_options import (
     APIKeyMiddleware,
@@ -226,31 +227,6 @@ async def create_rerank(request: RerankRequest, raw_request: Request) -> Respons
     return await _state(raw_request).score.create_rerank(request, raw_request)
 
 
-# vLLM's profiling routes: `build_app` adds them only for an engine with a profiler_config.
-profile_router = APIRouter()
-
-
-@profile_router.post("/start_profile")
-async def start_profile(raw_request: Request) -> Response:
-    return await _profile(raw_request, is_start=True)
-
-
-@profile_router.post("/stop_profile")
-async def stop_profile(raw_request: Request) -> Response:
-    return await _profile(raw_request, is_start=False)
-
-
-async def _profile(raw_request: Request, is_start: bool) -> Response:
-    try:
-        engine = _state(raw_request).engine
-        await (engine.start_profile() if is_start else engine.stop_profile())
-    except EngineDeadError as e:
-        raise APIError.unavailable(e) from e
-    except RuntimeError as e:  # a start while a profile runs (a stop while none), or a rank failed
-        raise APIError(getattr(e, "summary", str(e))) from e  # a WorkerError's one line
-    return Response(status_code=HTTPStatus.OK)
-
-
 def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
     http = http or HTTPOptions()
     no_docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}
@@ -258,8 +234,7 @@ def build_app(state: ServerState, http: HTTPOptions | None = None) -> FastAPI:
     app = FastAPI(title="v1engine", version=__version__, **docs)
     app.state.server = state
     app.include_router(router)
-    if state.engine.config.profiler_config.profiler is not None:
-        app.include_router(profile_router)
+    include_control_routes(app, state.engine.config)
     # The last added runs first: errors wrap everything, and the key is checked before the body
     # is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.limits.max_request_body_bytes)

@@ -20,7 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from v1engine.engine.core_process import EngineDeadError, ServerShutdownError
+from v1engine.engine.core_process import (
+    EngineDeadError,
+    EngineSleepingError,
+    ServerShutdownError,
+)
 from v1engine.logger import init_logger
 
 logger = init_logger(__name__)
@@ -58,6 +62,8 @@ class APIError(Exception):
     def unavailable(cls, error: EngineDeadError) -> APIError:
         """A 503 for a request the engine can no longer serve: the server is shutting down,
         or the engine died (see `engine_dead`)."""
+        if isinstance(error, EngineSleepingError):
+            return cls(str(error), HTTPStatus.SERVICE_UNAVAILABLE, type="server_error")
         if isinstance(error, ServerShutdownError):
             return cls(
                 "the server is shutting down before this request finished; send it again",

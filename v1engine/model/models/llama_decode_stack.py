@@ -16,6 +16,7 @@ close: tests/lora/test_lora_decode_stack.py); every other step runs the layers.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,9 +105,10 @@ class LlamaDecodeStack:
             attention.num_heads * attention.head_size,
             self._shape.intermediate,
         )
-        # The layer table holds raw pointers to weights and caches, so it keeps the caches it
-        # was built from, and is rebuilt when a layer's cache is rebound.
-        self._caches: list[object] = []
+        # The layer table holds raw pointers to weights and caches. It is rebuilt when a layer's
+        # cache is rebound (weights that moved, after sleep mode, come with new caches); weak
+        # references tell, without keeping a dropped cache's memory alive.
+        self._cache_refs: list[weakref.ref] = []
         self._table: ctypes.Array[_Layer] | None = None
 
     def applies(self, hidden: torch.Tensor) -> bool:
@@ -164,8 +166,10 @@ class LlamaDecodeStack:
         """The C layer table, built on first use and after the caches were rebound; None if this
         model cannot take the path."""
         caches = [layer.self_attn.attn.kv_cache for layer in self._model.layers]
-        if not self._caches or any(a is not b for a, b in zip(caches, self._caches)):
-            self._caches = caches
+        if any(cache is None for cache in caches):
+            return None
+        if not self._cache_refs or any(r() is not c[0] for r, c in zip(self._cache_refs, caches)):
+            self._cache_refs = [weakref.ref(cache[0]) for cache in caches]
             self._table = self._build_table()
         return self._table
 
@@ -177,7 +181,6 @@ class LlamaDecodeStack:
         tensors = [t for w in weights for t in w.values()] + [t for c in caches for t in c or ()]
         supported = (
             get_tp_world_size() == 1
-            and all(cache is not None for cache in caches)
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
             and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
         )
