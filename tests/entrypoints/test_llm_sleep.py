@@ -10,7 +10,12 @@ from __future__ import annotations
 import pytest
 
 from tests.entrypoints.llm_utils import GREEDY, PROMPTS, make_llm, token_ids
-from tests.entrypoints.weight_sync import weight_storage_bytes, worker_vms
+from tests.entrypoints.weight_sync import (
+    cuda_reserved_bytes,
+    has_cuda_graphs,
+    weight_storage_bytes,
+    worker_vms,
+)
 
 KV_BYTES = 64 << 20
 
@@ -69,3 +74,26 @@ def test_sleep_mode_refuses_what_it_cannot_do(llama_checkpoint):
             llm.sleep(level=2)
         llm.wake_up()
         assert generate(llm)
+
+
+@pytest.mark.gpu
+def test_on_cuda_sleep_frees_the_device_memory_and_waking_restores_it(llama_checkpoint):
+    llm = make_llm(
+        llama_checkpoint, device="cuda", enable_sleep_mode=True, kv_cache_memory_bytes=KV_BYTES
+    )
+    with llm:
+        awake = generate(llm)
+        [reserved] = llm.collective_rpc(cuda_reserved_bytes)
+        [weights] = llm.collective_rpc(weight_storage_bytes)
+        assert llm.collective_rpc(has_cuda_graphs) == [True]
+        for level in (1, 2):
+            llm.sleep(level=level)
+            [asleep] = llm.collective_rpc(cuda_reserved_bytes)
+            assert reserved - asleep >= 0.9 * (KV_BYTES + weights), (reserved, asleep, weights)
+            assert llm.collective_rpc(has_cuda_graphs) == [False]  # they held the old addresses
+            llm.wake_up(tags=["weights"])
+            if level == 2:  # woken undefined: the weights come from the checkpoint again
+                llm.collective_rpc("reload_weights")
+            llm.wake_up(tags=["kv_cache"])
+            assert llm.collective_rpc(has_cuda_graphs) == [True]  # captured again
+            assert generate(llm) == awake  # level 1: the weights came back from host memory

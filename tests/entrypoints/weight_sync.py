@@ -31,3 +31,12 @@ def weight_storage_bytes(worker) -> int:
     params = worker.model_runner.model.parameters()
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
     return sum(storages.values())
+
+
+def cuda_reserved_bytes(worker) -> int:
+    """What the worker's CUDA caching allocator holds."""
+    return torch.cuda.memory_reserved(worker.device)
+
+
+def has_cuda_graphs(worker) -> bool:
+    return worker.model_runner.cuda_graphs is not None
