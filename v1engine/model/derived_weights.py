@@ -4,7 +4,8 @@ On CPU in float32 the loader gives each matmul a packed copy of its weight for o
 (`linear.pack_cpu_weights`), and greedy steps read the LM head through a bfloat16 copy
 (`greedy_screen.py`). Weights loaded again in place (a trainer's new weights through
 `model.load_weights`, as in vLLM's RL recipe, or `Worker.reload_weights`) bump the model's
-`weights_version`; `refresh_if_stale`, called before every step, then rewrites the copies.
+`weights_version`; the model runner then calls `refresh` before the next step, which rewrites
+the copies.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class DerivedWeights:
         if self.greedy_screen is not None:
             yield self.greedy_screen.weight_bf16
 
-    def refresh_if_stale(self) -> None:
-        if self.model.weights_version == self.version:
-            return
+    def refresh(self) -> None:
+        """Derives the copies again from the weights (the model runner calls it before a step
+        when the model's `weights_version` moved past `version`)."""
         repack_cpu_weights(self.model)
         if self.greedy_screen is not None:
             self.greedy_screen.refresh()

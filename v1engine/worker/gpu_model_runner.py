@@ -274,7 +274,8 @@ class GPUModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs one scheduled step. Returns: the sampled tokens on the driver, None elsewhere."""
         self._update_states(scheduler_output)
-        self.derived.refresh_if_stale()  # weights loaded again since the last step
+        if self.model.weights_version != self.derived.version:  # weights loaded again
+            self.derived.refresh()
         batch = self.states.input_batch
         req_ids = list(batch.req_ids)
         query_lens = np.array(
