@@ -6,6 +6,7 @@
 Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it), llama_tied
 (tied embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
+qwen3_yarn (qwen3 with YaRN rope scaling),
 mistral (sliding window 8, shorter than the test prompts). Weights are drawn with a larger spread
 than HF's init so logits are far from ties and greedy decoding is a meaningful check.
 """
@@ -56,6 +57,20 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+    # As Qwen3's docs extend its context: YaRN over an original 64 positions, 4x (the 256).
+    "qwen3_yarn": (
+        "Qwen3Config",
+        dict(
+            tie_word_embeddings=True,
+            head_dim=32,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
 }
 

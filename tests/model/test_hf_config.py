@@ -111,6 +111,20 @@ def test_max_model_len():
         resolve_max_model_len(config, 0)
 
 
+def test_rope_scaling_stretches_the_positions_as_vllm_derives_them(tmp_path):
+    assert resolve_max_model_len(make_config("qwen3_yarn"), None) == 256  # 4x an original 64
+    assert resolve_max_model_len(make_config("llama3_rope"), None) == 256  # already scaled
+    # Qwen's recipe: a YaRN override on a plain checkpoint (256 positions); and linear scaling.
+    path = make_checkpoint(tmp_path, "qwen3")
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    yarn = load_hf_config(path, overrides={"rope_scaling": scaling})
+    assert resolve_max_model_len(yarn, None) == 1024
+    with pytest.raises(ValueError, match="max_model_len=1025 .* RoPE-scaled positions .*=1024"):
+        resolve_max_model_len(yarn, 1025)
+    linear = load_hf_config(path, overrides={"rope_scaling": {"rope_type": "linear", "factor": 2}})
+    assert resolve_max_model_len(linear, None) == 512
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,tp,problem",
     [

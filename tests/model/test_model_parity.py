@@ -44,6 +44,19 @@ def test_paged_generation_matches_transformers(tmp_path, arch):
     check_against_hf(load_hf_model(path), prompts, outputs, logits)
 
 
+def test_yarn_positions_past_the_original_context_match_transformers(tmp_path):
+    """Qwen's recipe for long prompts: YaRN 4x over the trained context (here 256 positions), so
+    a 300-token prompt runs past it; the RoPE tables cover the stretched 1024 positions."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    yarn["original_max_position_embeddings"] = 256
+    path = make_checkpoint(tmp_path, "qwen3", rope_parameters=yarn)
+    model = load_model(path, load_hf_config(path), torch.float32, "cpu")
+    assert model.model.rotary_emb.cos_cache.shape[0] == 1024
+    prompts = make_prompts(model.config.vocab_size, [300, 7])
+    outputs, logits = generate_paged(model, prompts, 3, token_budget=64, num_blocks=160)
+    check_against_hf(load_hf_model(path), prompts, outputs, logits)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_forward_without_kv_cache_matches_transformers(tmp_path, arch):
     """The profiling path: no cache bound, one or several requests, attends over new tokens."""

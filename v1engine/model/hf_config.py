@@ -191,13 +191,40 @@ def classifier_activation(hf_config: Any) -> str:
     return "softmax"
 
 
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
+
+    transformers 5 keeps them in `rope_parameters`; older releases in `rope_theta` + `rope_scaling`.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def max_positions(hf_config: Any) -> int | None:
+    """How many positions the model addresses, as vLLM derives it: `max_position_embeddings`,
+    stretched by the RoPE scaling `factor` of linear scaling, and for YaRN its factor times the
+    original context (llama3 configs give the scaled length already)."""
+    derived = getattr(hf_config, "max_position_embeddings", None)
+    params = get_rope_parameters(hf_config) if derived is not None else {}
+    if params.get("rope_type") == "linear":
+        return int(derived * params["factor"])
+    if params.get("rope_type") == "yarn":
+        return int(params["original_max_position_embeddings"] * params["factor"])
+    return derived
+
+
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """`requested`, or the model's `max_position_embeddings` when None.
+    """`requested`, or the model's positions (`max_positions`) when None.
 
     Raises:
         ValueError: `requested` is below 1 or above what the model's positions allow.
     """
-    derived = getattr(hf_config, "max_position_embeddings", None)
+    derived = max_positions(hf_config)
     if requested is not None and requested < 1:
         raise ValueError(f"max_model_len must be >= 1, got {requested}")
     if derived is None:
@@ -207,9 +234,11 @@ def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
     if requested is None:
         return derived
     if requested > derived:
+        scaled = derived != hf_config.max_position_embeddings
         raise ValueError(
-            f"max_model_len={requested} is larger than the model's max_position_embeddings="
-            f"{derived}; set max_model_len to at most {derived}"
+            f"max_model_len={requested} is larger than the model's "
+            f"{'RoPE-scaled positions ' if scaled else ''}max_position_embeddings={derived}; "
+            f"set max_model_len to at most {derived}"
         )
     return requested
 

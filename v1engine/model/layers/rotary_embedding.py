@@ -1,4 +1,5 @@
-"""Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3/linear scaling.
+"""Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3, linear and
+YaRN scaling.
 
 cos/sin are precomputed for every position up to `max_position`: the angles in float32 with the
 arithmetic HF uses per step, their cos/sin in float64 rounded to float32 (see `_float32_of`), so
@@ -16,23 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from v1engine.model.hf_config import get_rope_parameters, max_positions
 from v1engine.model.layers import cpu_kernels
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
-
-    transformers 5 keeps them in `rope_parameters`; older releases in `rope_theta` + `rope_scaling`.
-    """
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    params.update(getattr(hf_config, "rope_scaling", None) or {})
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
-    return params
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -49,6 +37,45 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): the frequencies that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times kept, with a linear ramp over the dimensions between; and the attention
+    logits are scaled through cos/sin by `attention_factor` (default 0.1 ln(factor) + 1)."""
+    factor, base = params["factor"], params["rope_theta"]
+    dim = 2 * len(inv_freq)
+    original = params["original_max_position_embeddings"]
+
+    def dimension_of(num_rotations: float) -> float:  # where the frequency turns that often
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        dimension_of(params.get("beta_fast") or 32),
+        dimension_of(params.get("beta_slow") or 1),
+    )
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency), 0: interpolate
+    inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+    return inv_freq, _yarn_attention_factor(params)
+
+
+def _yarn_attention_factor(params: dict[str, Any]) -> float:
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+
+    def scale(mscale: float = 1.0) -> float:
+        factor = params["factor"]
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek's form
+        return scale(mscale) / scale(mscale_all_dim)
+    return scale()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -77,21 +104,24 @@ class RotaryEmbedding(nn.Module):
         # under (`with torch.device("cuda")` in the loader), and only the result goes there.
         exponents = torch.arange(0, head_size, 2, dtype=torch.float, device="cpu") / head_size
         inv_freq = 1.0 / (base**exponents)
+        scale = 1.0  # of cos and sin: YaRN's attention factor
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
+        elif rope_type == "yarn":
+            inv_freq, scale = _yarn_inv_freq(inv_freq, params)
         positions = torch.arange(max_position, dtype=torch.float, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_size // 2]
         emb = torch.cat((freqs, freqs), dim=-1).numpy()
         # Not persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("cos_cache", _float32_of(np.cos, emb), persistent=False)
-        self.register_buffer("sin_cache", _float32_of(np.sin, emb), persistent=False)
+        self.register_buffer("cos_cache", _float32_of(np.cos, emb, scale), persistent=False)
+        self.register_buffer("sin_cache", _float32_of(np.sin, emb, scale), persistent=False)
 
     @classmethod
     def from_config(cls, hf_config: Any, head_size: int) -> RotaryEmbedding:
-        params = get_rope_parameters(hf_config)
-        return cls(head_size, hf_config.max_position_embeddings, params)
+        # The tables cover every position the config allows, RoPE scaling's stretch included.
+        return cls(head_size, max_positions(hf_config), get_rope_parameters(hf_config))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
         """The step's rows of the tables, gathered once and shared by every layer:
@@ -113,10 +143,14 @@ class RotaryEmbedding(nn.Module):
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
-def _float32_of(function: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> torch.Tensor:
-    """function(x) for float32 x, computed in float64 by numpy and rounded to float32: torch's
-    float32 cos/sin (MKL's vector math) came out up to 1.5e-4 off in one of its threads' halves of
-    the table, in about one worker process in eight, so greedy tokens could change between two
-    runs of the same engine. Rounded float64 values are the float32 values to within an ulp."""
+def _float32_of(
+    function: Callable[[np.ndarray], np.ndarray], x: np.ndarray, scale: float = 1.0
+) -> torch.Tensor:
+    """function(x) * scale for float32 x, computed in float64 by numpy and rounded to float32:
+    torch's float32 cos/sin (MKL's vector math) came out up to 1.5e-4 off in one of its threads'
+    halves of the table, in about one worker process in eight, so greedy tokens could change
+    between two runs of the same engine. Rounded float64 values are the float32 values to within
+    an ulp."""
     # as_tensor, unlike from_numpy, honours the default device the model is being built under.
-    return torch.as_tensor(function(x.astype(np.float64)).astype(np.float32))
+    values = function(x.astype(np.float64))
+    return torch.as_tensor((values if scale == 1.0 else values * scale).astype(np.float32))
