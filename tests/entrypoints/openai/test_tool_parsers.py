@@ -1,8 +1,8 @@
-"""The `llama3_json` and `pythonic` tool-call parsers: what they read as calls and what they leave
-as content (never running anything), and the chat endpoint's `tool_calls`, whole and streamed,
-over a fake engine replaying such replies token by token (the hermes parser runs on a real server
-in test_serve_structured.py); and, for every parser, that a stream sends content as it comes, up
-to where a call may begin, and each call as it is written."""
+"""The `llama3_json`, `pythonic` and `mistral` tool-call parsers: what they read as calls and what
+they leave as content (never running anything), and the chat endpoint's `tool_calls`, whole and
+streamed, over a fake engine replaying such replies token by token (the hermes parser runs on a
+real server in test_serve_structured.py); and, for every parser, that a stream sends content as it
+comes, up to where a call may begin, and each call as it is written."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_deltas
 from v1engine.entrypoints.openai.serving_options import ServingOptions
+from v1engine.entrypoints.openai.tool_parser_mistral import MistralCallReader, parse_mistral
 from v1engine.entrypoints.openai.tool_parsers import (
     HermesCallReader,
     Llama3JsonCallReader,
@@ -55,6 +56,19 @@ CALLS = [
         "[f(a=[1, {'b': None}], c=True, d=-2.5)]",
         [("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})],
     ),
+    # Mistral 7B Instruct v0.3's array, then the v11+ tokenizers' `name{...}` and `name[ARGS]`.
+    (
+        parse_mistral,
+        '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]',
+        [("weather", WEATHER)],
+    ),
+    (
+        parse_mistral,
+        '[TOOL_CALLS]weather{"city": "Paris", "days": 3}[TOOL_CALLS]now{}',
+        [("weather", WEATHER), ("now", {})],
+    ),
+    (parse_mistral, '[TOOL_CALLS]f[ARGS]{"a": [1, {"b": null}]}', [("f", {"a": [1, {"b": None}]})]),
+    (parse_mistral, '[TOOL_CALLS] {"name": "now", "arguments": {}}', [("now", {})]),
 ]
 # (parser, a reply it must leave as content)
 NOT_CALLS = [
@@ -74,6 +88,11 @@ NOT_CALLS = [
     (parse_pythonic, "[weather(city='Paris')"),  # cut by max_tokens
     (parse_pythonic, "[]"),
     (parse_pythonic, "[" * 5000 + "]" * 5000),  # too deep for the parser: content, not a crash
+    (parse_mistral, "It is sunny in Paris."),
+    (parse_mistral, "[TOOL_CALLS] not a call"),
+    (parse_mistral, '[TOOL_CALLS]weather{"city": "Par'),  # cut by max_tokens
+    (parse_mistral, '[TOOL_CALLS]weather["Paris"]'),
+    (parse_mistral, "[TOOL_CALLS] [1, 2]"),
 ]
 
 
@@ -147,6 +166,8 @@ def test_a_reply_without_calls_stays_content(tokenizer):
         ("llama3_json", "It is", len("It is")),
         ("pythonic", "[weather(", 0),
         ("pythonic", "The answer", len("The answer")),
+        ("mistral", "Sure. [TOOL_", len("Sure.")),
+        ("mistral", "Sure. [TOOL_CALLS]weather", len("Sure.")),
     ],
 )
 def test_a_stream_sends_what_is_surely_content(parser, text, end):
@@ -283,6 +304,8 @@ READER_REPLIES = [
         '<|python_tag|> {"name": "a", "parameters": {"s": ";{"}}; {"name": "b"}',
     ),
     (PythonicCallReader, "<|python_start|>[a(s='x)\\'', n=[1, {'k': ')'}]), b()]<|python_end|>"),
+    (MistralCallReader, 'Hi [TOOL_CALLS]a{"s": "x}", "n": [1, {"k": "}"}]}\n[TOOL_CALLS]b[ARGS]{}'),
+    (MistralCallReader, '[TOOL_CALLS] [{"name": "a", "arguments": {"s": "]"}}, {"name": "b"}]'),
 ]
 
 
@@ -302,3 +325,27 @@ def test_a_readers_calls_do_not_depend_on_how_the_reply_is_cut(reader_class, rep
                 arguments[index] = arguments.get(index, "") + piece
         assert [(call.name, call.arguments) for call in reader.calls] == expected
         assert [arguments.get(i, "") for i in range(len(expected))] == [a for _, a in expected]
+
+
+def test_mistral_calls_are_read_from_its_special_token_with_mistral_ids(tiny_model):
+    """`[TOOL_CALLS]` is a special token of Mistral's tokenizers: the request keeps special tokens
+    in its text so the parser sees it (as vLLM's), and each call gets a Mistral id (9 letters and
+    digits: Mistral's chat templates refuse others when the calls come back)."""
+    from transformers import AddedToken, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens([AddedToken("[TOOL_CALLS]", special=True)])
+    options = ServingOptions(tool_call_parser="mistral")
+    reply = 'Let me check.[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]'
+    whole = scripted_chat(tokenizer, options, reply, False, tools=TOOLS).json()["choices"][0]
+    assert whole["message"]["content"] == "Let me check."
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert len(call["id"]) == 9 and call["id"].isalnum()
+    deltas = stream_deltas(scripted_chat(tokenizer, options, reply, True, tools=TOOLS))
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    (head,) = [c for c in calls if c.get("id")]
+    assert len(head["id"]) == 9 and head["function"]["name"] == "weather"
+    arguments = "".join(c["function"].get("arguments") or "" for c in calls)
+    assert json.loads(arguments) == {"city": "Paris"}

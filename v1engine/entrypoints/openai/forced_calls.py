@@ -160,6 +160,30 @@ class ForcedCallReader:
             self._pieces.append((index, new, delta))
 
 
+class MarkedCallReader:
+    """The base of a parser's reader that finds calls after a marker in the text and feeds them
+    to a ForcedCallReader as the items of its array (tool_parsers.HermesCallReader,
+    tool_parser_mistral.MistralCallReader); a call's arguments are its `"arguments"`."""
+
+    def __init__(self, marker: str) -> None:
+        self.reader = ForcedCallReader(None, argument_keys=("arguments",))
+        self.marker = marker
+        self._text = ""
+        self._read = 0  # text[:_read] is consumed
+
+    @property
+    def calls(self) -> list[ForcedCall]:
+        return self.reader.calls
+
+    def _find_marker(self) -> int:
+        """Where the next marker starts, or -1, having skipped the text before what may begin
+        one."""
+        start = self._text.find(self.marker, self._read)
+        if start < 0:
+            self._read = max(self._read, len(self._text) - len(self.marker) + 1)
+        return start
+
+
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 

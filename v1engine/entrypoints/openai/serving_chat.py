@@ -59,6 +59,7 @@ from v1engine.entrypoints.openai.tool_calls import (
     tool_mode,
     tool_stream_choices,
 )
+from v1engine.entrypoints.openai.tool_parsers import KEEPS_SPECIAL_TOKENS
 from v1engine.outputs import CompletionOutput, Logprob
 from v1engine.structured_outputs.params import StructuredOutputsParams
 
@@ -108,6 +109,8 @@ class OpenAIServingChat(OpenAIServing):
         vocab_size = self.engine.client.info.vocab_size
         self.limits.check_num_logprobs(request.top_logprobs, "top_logprobs", vocab_size)
         mode = tool_mode(request, self.options) if request.tools or request.tool_choice else None
+        if mode is not None and mode.parser in KEEPS_SPECIAL_TOKENS:
+            request.skip_special_tokens = False  # the parser reads a special token (as vLLM's)
         constraint = await self.make_constraint(request, mode and mode.constraint)
         prompt, token_ids = await asyncio.to_thread(self._render, request)
         constraint, opened = self._plan_reasoning(prompt, constraint)

@@ -27,7 +27,9 @@ from v1engine.entrypoints.openai.protocol_structured import (
 )
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import Constraint
+from v1engine.entrypoints.openai.tool_parser_mistral import MistralCallReader
 from v1engine.entrypoints.openai.tool_parsers import (
+    CALL_IDS,
     TOOL_CALL_PARSERS,
     HermesCallReader,
     Llama3JsonCallReader,
@@ -116,7 +118,8 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
         content, calls = TOOL_CALL_PARSERS[mode.parser](text)
         if not calls:
             return None
-        tool_calls = [_tool_call(new_call_id(), name, arguments) for name, arguments in calls]
+        call_id = CALL_IDS.get(mode.parser, new_call_id)
+        tool_calls = [_tool_call(call_id(), name, arguments) for name, arguments in calls]
         return content, tool_calls
     reader = ForcedCallReader(mode.named)
     reader.feed(text)
@@ -171,11 +174,18 @@ class ToolCallStream:
 
 # What reads a reply's calls while it is written: `feed(delta)` returns the new pieces and
 # `calls` the calls so far (forced_calls.ForcedCallReader, or a parser's reader).
-CallReader = ForcedCallReader | HermesCallReader | Llama3JsonCallReader | PythonicCallReader
+CallReader = (
+    ForcedCallReader
+    | HermesCallReader
+    | Llama3JsonCallReader
+    | MistralCallReader
+    | PythonicCallReader
+)
 # Each parser's reader.
 _STREAMED_READERS: dict[str, Callable[[], CallReader]] = {
     "hermes": HermesCallReader,
     "llama3_json": Llama3JsonCallReader,
+    "mistral": MistralCallReader,
     "pythonic": PythonicCallReader,
 }
 

@@ -13,8 +13,12 @@ no calls where the text does not hold well-formed ones (it then stays content, a
   `<|python_start|>` and `<|python_end|>`; no content. It is read with `ast` (literals only:
   nothing in it runs).
 
+- mistral (Mistral 7B Instruct v0.3, Mistral Small, Devstral, ...): calls after the
+  `[TOOL_CALLS]` special token (tool_parser_mistral.py).
+
 A stream reads the calls while they are written (`HermesCallReader`, `Llama3JsonCallReader`,
-`PythonicCallReader`); `content_end` says how much of a reply may stream as content.
+`PythonicCallReader`, `MistralCallReader`); `content_end` says how much of a reply may stream as
+content.
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ from collections.abc import Callable
 from typing import Any
 
 from v1engine.engine.detokenizer import partial_stop_len
-from v1engine.entrypoints.openai.forced_calls import ForcedCall, ForcedCallReader, new_call_id
+from v1engine.entrypoints.openai.forced_calls import (
+    ForcedCall,
+    ForcedCallReader,
+    MarkedCallReader,
+    new_call_id,
+)
+from v1engine.entrypoints.openai.tool_parser_mistral import (
+    MISTRAL_MARKER,
+    mistral_call_id,
+    parse_mistral,
+)
 
 Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -122,7 +136,9 @@ def _skip_separator(body: str, position: int) -> int | None:
 
 # Where each parser's calls can begin, for streaming: at a marker anywhere (the content before
 # it streams), or only at the reply's start (a reply that starts otherwise is all content).
-_CALL_MARKERS = {"hermes": "<tool_call>"}
+_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": MISTRAL_MARKER}
+# The parsers whose marker is a special token: their requests keep special tokens in the text.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 _CALL_STARTS = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
 
 
@@ -142,7 +158,7 @@ def content_end(parser: str, text: str) -> int:
     return len(text)
 
 
-class HermesCallReader:
+class HermesCallReader(MarkedCallReader):
     """Hermes calls read while the reply grows, so a stream sends each call's id and name as soon
     as the name is written and its arguments as they come (as vLLM streams them). The bodies of
     the `<tool_call>` tags are fed to a ForcedCallReader as the items of its array: `[`, then
@@ -152,25 +168,17 @@ class HermesCallReader:
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
-        self.reader = ForcedCallReader(None, argument_keys=("arguments",))
-        self._text = ""
-        self._read = 0  # text[:_read] is consumed
+        super().__init__(self._OPEN)
         self._in_call = False
         self._num_opened = 0
-
-    @property
-    def calls(self) -> list[ForcedCall]:
-        return self.reader.calls
 
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         self._text += delta
         array_text = ""
         while True:
             if not self._in_call:
-                start = self._text.find(self._OPEN, self._read)
+                start = self._find_marker()  # text between calls is not read
                 if start < 0:
-                    # Text between calls is not read: skip it, less what may begin a tag.
-                    self._read = max(self._read, len(self._text) - len(self._OPEN) + 1)
                     break
                 array_text += "," if self._num_opened else "["
                 self._num_opened += 1
@@ -294,8 +302,13 @@ class PythonicCallReader:
         return ForcedCall(new_call_id(), name, arguments)
 
 
+# The parsers whose models want call ids of their own form (others: forced_calls.new_call_id).
+CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}
+
+
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
+    "mistral": parse_mistral,
     "pythonic": parse_pythonic,
 }
