@@ -36,7 +36,7 @@ def test_cli_choices_are_the_config_lists():
     choices = {action.dest: action.choices for action in parser()._actions if action.choices}
     assert choices == {
         "device": DEVICES,
-        "dtype": MODEL_DTYPES,
+        "dtype": MODEL_DTYPES + ("half", "float"),
         "kv_cache_dtype": CACHE_DTYPES,
         "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
         "scheduling_policy": SCHEDULING_POLICIES,
@@ -49,7 +49,7 @@ def test_cli_choices_are_the_config_lists():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ModelConfig(dtype="half"), f"dtype must be one of {MODEL_DTYPES}, got 'half'"),
+        (lambda: ModelConfig(dtype="int8"), f"dtype must be one of {MODEL_DTYPES}, got 'int8'"),
         (
             lambda: CacheConfig(cache_dtype="fp8"),
             f"cache_dtype (--kv-cache-dtype) must be one of {CACHE_DTYPES}, got 'fp8'",
@@ -114,3 +114,17 @@ def test_every_flag_says_what_it_does():
     assert set(_HELP) == {f.name for f in dataclasses.fields(EngineArgs)}
     text = parser().format_help()
     assert "the KV cache's dtype (auto: the model's) (default: auto)" in " ".join(text.split())
+
+
+def test_vllm_commands_spell_dtypes_and_lengths_their_way(capsys):
+    args = parser().parse_args(["--dtype", "half", "--max-model-len", "32k"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.dtype, engine_args.max_model_len) == ("half", 32000)
+    assert ModelConfig(dtype="half").dtype == "float16"
+    assert ModelConfig(dtype="float").dtype == "float32"
+    for text, value in [("4096", 4096), ("1K", 1024), ("25.6k", 25600), ("1M", 1 << 20)]:
+        assert parser().parse_args(["--max-model-len", text]).max_model_len == value
+    for bad in ("1.5k0", "0.0001k", "lots"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--max-model-len", bad])
+        assert "--max-model-len: invalid human_readable_int value" in capsys.readouterr().err

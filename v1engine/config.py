@@ -13,6 +13,8 @@ from typing import Any
 # The one list of each choice: the configs validate against them, `EngineArgs` offers them as
 # CLI `choices`. Dtypes are torch attribute names; "auto" is resolved by the worker.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other names for two of them (`--dtype half` is common in its commands).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # The KV cache stores what the model computes in ("auto": the model's dtype); no fp8 yet.
 CACHE_DTYPES = MODEL_DTYPES
 DEVICES = ("auto", "cpu", "cuda")
@@ -97,6 +99,7 @@ class ModelConfig:
     enable_sleep_mode: bool = False  # vLLM's: `sleep` / `wake_up` (worker/sleep_mode.py)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _require_choice("dtype", self.dtype, MODEL_DTYPES)
         _require_choice("load_format", self.load_format, LOAD_FORMATS)
         _require_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)

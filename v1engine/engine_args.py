@@ -13,6 +13,7 @@ from v1engine.config import (
     DEFAULT_WORKER_CLS,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    DTYPE_ALIASES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
     MODEL_DTYPES,
@@ -30,7 +31,7 @@ from v1engine.config import (
 
 _CHOICES = {
     "device": DEVICES,
-    "dtype": MODEL_DTYPES,
+    "dtype": MODEL_DTYPES + tuple(DTYPE_ALIASES),
     "kv_cache_dtype": CACHE_DTYPES,
     "distributed_executor_backend": DISTRIBUTED_EXECUTOR_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
@@ -53,8 +54,10 @@ _HELP = {
     "tensor_parallel_size": "workers (devices) the model is split over",
     "device": "where the workers run (auto: CUDA when torch sees a GPU, else the CPU)",
     "dtype": "the model's dtype (auto: bfloat16 on CPUs that compute in it natively, else "
-    "float32; on CUDA the checkpoint's 16-bit dtype, else bfloat16)",
-    "max_model_len": "the context length, prompt and output (default: the model's)",
+    "float32; on CUDA the checkpoint's 16-bit dtype, else bfloat16; half and float: float16 "
+    "and float32)",
+    "max_model_len": "the context length, prompt and output (default: the model's); 32k is "
+    "32000, 32K 32768",
     "block_size": "tokens per KV cache block",
     "kv_cache_dtype": "the KV cache's dtype (auto: the model's)",
     "gpu_memory_utilization": "the share of the device's memory the engine may use",
@@ -276,6 +279,8 @@ class EngineArgs:
 
 
 def _field_type(f: dataclasses.Field) -> Any:
+    if f.name == "max_model_len":
+        return human_readable_int
     # Annotations are strings under `from __future__ import annotations`.
     text = str(f.type)
     if text.startswith("dict"):
@@ -296,3 +301,19 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"not a JSON object: {text!r}")
     return value
+
+
+_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's reading of `--max-model-len`: an integer, or a number with a suffix, decimal in
+    lowercase (25.6k: 25600) and binary in uppercase (1K: 1024); argparse turns the ValueError
+    into a usage error naming the flag."""
+    text = text.strip()
+    if text[-1:] not in _UNITS:
+        return int(text)
+    value = float(text[:-1]) * _UNITS[text[-1]]
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    return int(value)

@@ -295,6 +295,16 @@ def test_docs_can_be_switched_off_and_carry_the_proxys_root_path(tokenizer):
     assert schema.json()["servers"] == [{"url": "/llm"}] and "/llm/openapi.json" in docs.text
 
 
+def test_the_deprecated_disable_log_requests_is_taken_as_vllm_takes_it(caplog):
+    parser = make_arg_parser()
+    options = ServingOptions.from_cli_args(parser.parse_args(["--disable-log-requests"]))
+    assert options.log_requests is False
+    assert "--disable-log-requests is deprecated" in caplog.text
+    both = parser.parse_args(["--disable-log-requests", "--enable-log-requests"])
+    with pytest.raises(ValueError, match="contradict each other; drop one"):
+        ServingOptions.from_cli_args(both)
+
+
 def test_every_engine_arg_and_request_limit_is_a_flag():
     parser = make_arg_parser()
     args = parser.parse_args([])

@@ -68,6 +68,11 @@ class ServingOptions:
             help="log every request: its id, prompt and sampling params",
         )
         group.add_argument(
+            "--disable-log-requests",
+            action="store_true",
+            help="deprecated, as in vLLM: requests are logged only with --enable-log-requests",
+        )
+        group.add_argument(
             "--max-log-len",
             type=int,
             default=None,
@@ -91,12 +96,23 @@ class ServingOptions:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServingOptions:
         """Raises ValueError when the chat template file cannot be read, for
-        --enable-auto-tool-choice without --tool-call-parser, a negative --max-log-len or
-        --max-stored-responses, or a malformed --lora-modules."""
+        --enable-auto-tool-choice without --tool-call-parser, both --disable-log-requests and
+        --enable-log-requests, a negative --max-log-len or --max-stored-responses, or a
+        malformed --lora-modules."""
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser "
                 f"({', '.join(TOOL_CALL_PARSERS)})"
+            )
+        if args.disable_log_requests:
+            if args.enable_log_requests:
+                raise ValueError(
+                    "--disable-log-requests and --enable-log-requests contradict each other; "
+                    "drop one"
+                )
+            logger.warning(
+                "--disable-log-requests is deprecated: requests are logged only with "
+                "--enable-log-requests"
             )
         parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         template = None
