@@ -66,7 +66,9 @@ def test_a_budget_that_fits_starts_the_engine(tmp_path):
     assert os.path.exists(os.path.join(checkpoint, "STARTED-0"))
 
 
-@pytest.mark.parametrize("preset", ["llama", "llama_tied", "qwen2_hybrid", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "preset", ["llama", "llama_tied", "qwen2_hybrid", "qwen3", "mistral", "gemma3"]
+)
 def test_the_spec_from_the_config_is_what_a_worker_reports(tmp_path, preset):
     config = make_config(make_checkpoint(tmp_path, preset), distributed_executor_backend="uni")
     with UniProcExecutor(config) as executor:

@@ -7,7 +7,8 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 (tied embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
 qwen3_yarn (qwen3 with YaRN rope scaling),
-mistral (sliding window 8, shorter than the test prompts). Weights are drawn with a larger spread
+mistral (sliding window 8, shorter than the test prompts), gemma3 (Gemma 3's layout: local and
+global layers, offset norms, gelu). Weights are drawn with a larger spread
 than HF's init so logits are far from ties and greedy decoding is a meaningful check.
 """
 
@@ -72,6 +73,22 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+    # Local layers around a global one, each kind with its RoPE (the global one scaled, as in
+    # gemma-3-4b and up).
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+            },
+        ),
+    ),
 }
 
 

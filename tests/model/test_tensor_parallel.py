@@ -34,6 +34,7 @@ TP_CASES = {
     "qwen2": {},
     "qwen3": {},
     "mistral": {},
+    "gemma3": {},
 }
 
 

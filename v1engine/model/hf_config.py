@@ -191,12 +191,15 @@ def classifier_activation(hf_config: Any) -> str:
     return "softmax"
 
 
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one dict with `rope_type` and `rope_theta`.
+def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE settings as one dict with `rope_type` and `rope_theta` (for the layers
+    of `layer_type`, where they differ by kind of layer, as Gemma 3's do).
 
     transformers 5 keeps them in `rope_parameters`; older releases in `rope_theta` + `rope_scaling`.
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and layer_type in params:
+        params = dict(params[layer_type])
     params.update(getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
@@ -211,6 +214,7 @@ def max_positions(hf_config: Any) -> int | None:
     original context (llama3 configs give the scaled length already)."""
     derived = getattr(hf_config, "max_position_embeddings", None)
     params = get_rope_parameters(hf_config) if derived is not None else {}
+    # RoPE by kind of layer (Gemma 3): its scaling does not stretch the context (as in vLLM).
     if params.get("rope_type") == "linear":
         return int(derived * params["factor"])
     if params.get("rope_type") == "yarn":

@@ -1,5 +1,5 @@
-"""Gated activations applied to the merged gate/up projection (on CPU one compiled kernel,
-`cpu_elementwise.c`, where it is available)."""
+"""Gated activations applied to the merged gate/up projection (SiluAndMul on CPU as one compiled
+kernel, `cpu_elementwise.c`, where it is available)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,12 @@ class SiluAndMul(nn.Module):
         if cpu_kernels.applies(x):
             return cpu_kernels.silu_and_mul(x)
         return silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """[num_tokens, 2 * d] (gate | up) -> [num_tokens, d] = gelu_tanh(gate) * up (Gemma's
+    `gelu_pytorch_tanh`), in torch ops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

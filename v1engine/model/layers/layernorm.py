@@ -37,3 +37,25 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint holds an offset, the scale is 1 + weight, and it multiplies
+    the normalized float32 values before the cast back (HF's Gemma3RMSNorm); torch ops only."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual`: (norm(x + residual), x + residual), as RMSNorm's."""
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, x)

@@ -113,11 +113,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads,
             self.head_size,
-            self.head_size**-0.5,
+            self.softmax_scale(config, self.head_size),
             self.num_kv_heads,
             layer_name=f"{prefix}.attn",
             sliding_window=get_sliding_window(config, layer_idx),
         )
+
+    @staticmethod
+    def softmax_scale(config: Any, head_size: int) -> float:
+        """What the attention logits are multiplied by (Gemma's differs)."""
+        return head_size**-0.5
 
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
@@ -223,6 +228,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[nn.Module] = LlamaModel  # built as model_cls(hf_config, attention_cls)
 
     def __init__(
         self, hf_config: Any, dtype: torch.dtype = torch.float32, has_lm_head: bool = True
@@ -234,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.weights_version = 0  # bumped by every load_weights
         with _default_dtype(dtype):
-            self.model = LlamaModel(hf_config, self.attention_cls)
+            self.model = self.model_cls(hf_config, self.attention_cls)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if hf_config.tie_word_embeddings or not has_lm_head:
             self.lm_head.tie_weights(self.model.embed_tokens)

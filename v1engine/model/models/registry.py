@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _MODELS = {
+    "Gemma3ForCausalLM": "v1engine.model.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",

@@ -1,0 +1,160 @@
+"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-270m, -1b, and the text towers' checkpoints),
+as HF's Gemma3TextModel computes it. Llama's layout with these differences:
+
+- every norm is Gemma's RMSNorm (the checkpoint holds an offset: the scale is 1 + weight), and
+  each layer has four: before and after the attention, before and after the MLP; the outputs of
+  the attention and the MLP are normalized before their residual adds;
+- query and key heads are normalized before RoPE (as Qwen3's), and the attention logits are
+  scaled by `query_pre_attn_scalar ** -0.5` instead of the head size's;
+- layers are "sliding_attention" (a window of `sliding_window` tokens) or "full_attention"
+  (`layer_types`), and each kind has its own RoPE (`rope_parameters` by kind: 10k for the local
+  layers, 1M, perhaps linearly scaled, for the global ones);
+- the embeddings are multiplied by sqrt(hidden_size), in the model's dtype;
+- the MLP's gate is gelu (tanh approximation), not silu.
+Logit soft-capping (Gemma 2's) is not supported: Gemma 3's configs set none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from v1engine.model.hf_config import get_rope_parameters, max_positions
+from v1engine.model.layers.activation import GeluTanhAndMul
+from v1engine.model.layers.layernorm import GemmaRMSNorm
+from v1engine.model.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
+from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, get_head_size
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+class Gemma3Attention(LlamaAttention):
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str):
+        super().__init__(config, layer_idx, rotary_emb, prefix)
+        self.q_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
+
+    @staticmethod
+    def softmax_scale(config: Any, head_size: int) -> float:
+        return config.query_pre_attn_scalar**-0.5
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if config.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"hidden_activation {config.hidden_activation!r} is not supported for Gemma 3; "
+                "only 'gelu_pytorch_tanh' is"
+            )
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, False)
+        self.act_fn = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str
+    ) -> None:
+        super().__init__()
+        self.layer_type = _layer_types(config)[layer_idx]
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.mlp = Gemma3MLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(
+        self,
+        cos_sin: dict[str, CosSin],
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer's (the residual add fused into the next norm), with the outputs
+        of the attention and the MLP normalized before their adds; `cos_sin` by layer kind."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(cos_sin[self.layer_type], hidden_states, output_rows)
+        if output_rows is not None:
+            residual = residual[output_rows]
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
+        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+        super().__init__()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        head_size, positions = get_head_size(config), max_positions(config)
+        # One cos/sin table per kind of layer, shared by its layers; each step gathers once.
+        self.rotary_embs = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(head_size, positions, get_rope_parameters(config, kind))
+                for kind in sorted(set(_layer_types(config)))
+            }
+        )
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, i, self.rotary_embs[kind], f"model.layers.{i}")
+            for i, kind in enumerate(_layer_types(config))
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of `output_rows` of the tokens (all when None)."""
+        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        # HF scales by sqrt(hidden_size) rounded to the model's dtype.
+        hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
+        cos_sin = {
+            kind: rope.cos_sin(positions, hidden_states.dtype)
+            for kind, rope in self.rotary_embs.items()
+        }
+        residual = None
+        for layer in self.layers[:-1]:
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
+        # As Llama's: the last layer takes only the rows the LM head reads past its attention.
+        hidden_states, residual = self.layers[-1](cos_sin, hidden_states, residual, output_rows)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def _layer_types(config: Any) -> list[str]:
+    """Each layer's kind; configs without `layer_types` (written before transformers 4.54) have
+    a global layer every `sliding_window_pattern` layers."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    pattern = getattr(config, "sliding_window_pattern", None) or 6
+    return [_FULL if (i + 1) % pattern == 0 else _SLIDING for i in range(config.num_hidden_layers)]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Gemma3Attention
+    model_cls = Gemma3Model
