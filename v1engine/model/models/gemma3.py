@@ -11,7 +11,8 @@ as HF's Gemma3TextModel computes it. Llama's layout with these differences:
   layers, 1M, perhaps linearly scaled, for the global ones);
 - the embeddings are multiplied by sqrt(hidden_size), in the model's dtype;
 - the MLP's gate is gelu (tanh approximation), not silu.
-Logit soft-capping (Gemma 2's) is not supported: Gemma 3's configs set none.
+Logit soft-capping (Gemma 2's) and bidirectional attention (EmbeddingGemma) are refused: Gemma
+3's generative configs use neither.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ class Gemma3Model(nn.Module):
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(
+                "use_bidirectional_attention (EmbeddingGemma) is not supported: v1engine's "
+                "attention is causal"
+            )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         head_size, positions = get_head_size(config), max_positions(config)
