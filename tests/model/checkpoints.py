@@ -8,8 +8,9 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
 qwen3_yarn (qwen3 with YaRN rope scaling),
 mistral (sliding window 8, shorter than the test prompts), gemma3 (Gemma 3's layout: local and
-global layers, offset norms, gelu). Weights are drawn with a larger spread
-than HF's init so logits are far from ties and greedy decoding is a meaningful check.
+global layers, offset norms, gelu), smollm3 (a NoPE layer in four). Weights are drawn with a
+larger spread than HF's init so logits are far from ties and greedy decoding is a meaningful
+check.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+    # Every fourth layer without RoPE (NoPE), as SmolLM3-3B's.
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True, num_hidden_layers=4)),
     # Local layers around a global one, each kind with its RoPE (the global one scaled, as in
     # gemma-3-4b and up).
     "gemma3": (

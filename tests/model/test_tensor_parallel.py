@@ -35,6 +35,7 @@ TP_CASES = {
     "qwen3": {},
     "mistral": {},
     "gemma3": {},
+    "smollm3": {},
 }
 
 

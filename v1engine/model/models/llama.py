@@ -106,7 +106,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_size, config.hidden_size, o_bias
         )
-        self.rotary_emb = rotary_emb
+        # None in a layer without RoPE (SmolLM3's NoPE layers).
+        self.rotary_emb = rotary_emb if self.uses_rope(config, layer_idx) else None
         # Set by architectures that normalize each query and key head (Qwen3).
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -118,6 +119,11 @@ class LlamaAttention(nn.Module):
             layer_name=f"{prefix}.attn",
             sliding_window=get_sliding_window(config, layer_idx),
         )
+
+    @staticmethod
+    def uses_rope(config: Any, layer_idx: int) -> bool:
+        """Whether the layer rotates its queries and keys (every Llama layer does)."""
+        return True
 
     @staticmethod
     def softmax_scale(config: Any, head_size: int) -> float:
@@ -146,7 +152,9 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
-        q, k = self.rotary_emb(cos_sin, *self.qk_norm(q, k))
+        q, k = self.qk_norm(q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(cos_sin, q, k)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         if output_rows is not None:
             out = out[output_rows]

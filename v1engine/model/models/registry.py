@@ -18,6 +18,7 @@ _MODELS = {
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM": "v1engine.model.models.smollm3:SmolLM3ForCausalLM",
 }
 
 # Base models (transformers' AutoModel: no LM head, tensor names without "model."), which serve
