@@ -6,11 +6,10 @@
 Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it), llama_tied
 (tied embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
-qwen3_yarn (qwen3 with YaRN rope scaling),
-mistral (sliding window 8, shorter than the test prompts), gemma3 (Gemma 3's layout: local and
-global layers, offset norms, gelu), smollm3 (a NoPE layer in four). Weights are drawn with a
-larger spread than HF's init so logits are far from ties and greedy decoding is a meaningful
-check.
+qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
+prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
+layer in four), granite (its multipliers). Weights are drawn with a larger spread than HF's init
+so logits are far from ties and greedy decoding is a meaningful check.
 """
 
 from __future__ import annotations
@@ -74,6 +73,17 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+    # Granite 3.x's scalars (granite-3.3-2b's values, but a larger logits divisor).
+    "granite": (
+        "GraniteConfig",
+        dict(
+            tie_word_embeddings=True,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=2.0,
+        ),
+    ),
     # Every fourth layer without RoPE (NoPE), as SmolLM3-3B's.
     "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True, num_hidden_layers=4)),
     # Local layers around a global one, each kind with its RoPE (the global one scaled, as in

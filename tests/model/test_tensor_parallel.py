@@ -36,6 +36,7 @@ TP_CASES = {
     "mistral": {},
     "gemma3": {},
     "smollm3": {},
+    "granite": {},
 }
 
 

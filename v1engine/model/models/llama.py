@@ -176,6 +176,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention_cls(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config)
+        # Granite's: each block's output is scaled before its residual add (granite.py).
+        self.residual_multiplier: float | None = None
 
     def forward(
         self,
@@ -194,8 +196,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(cos_sin, hidden_states, output_rows)
         if output_rows is not None:
             residual = residual[output_rows]
+        multiplier = self.residual_multiplier
+        if multiplier is not None:
+            hidden_states = hidden_states * multiplier
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states if multiplier is None else hidden_states * multiplier, residual
 
 
 class LlamaModel(nn.Module):
@@ -209,6 +215,7 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier: float | None = None  # Granite's (granite.py)
         self.decode_stack = LlamaDecodeStack(self)
 
     def forward(
@@ -219,6 +226,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """The final hidden states of `output_rows` of the tokens (all when None)."""
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.embedding_multiplier is not None:
+            hidden_states = hidden_states * self.embedding_multiplier
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         if self.decode_stack.applies(hidden_states):  # a CPU decode step: all layers in C
             hidden_states = self.decode_stack(hidden_states, cos_sin)
@@ -252,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if hf_config.tie_word_embeddings or not has_lm_head:
             self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_scaling: float | None = None  # Granite's: logits divided by it (granite.py)
 
     @torch.no_grad()
     def forward(self, *inputs: torch.Tensor | None) -> torch.Tensor:
@@ -260,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
+        logits = self.lm_head.compute_logits(hidden_states)
+        return logits if self.logits_scaling is None else logits / self.logits_scaling
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
         """Loads checkpoint tensors (HF names) into this rank's shards, in place: the whole

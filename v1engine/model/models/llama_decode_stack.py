@@ -9,9 +9,9 @@ count included), so the hidden states are bit-identical to the layer-by-layer fo
 rows (for every matmul's width) without padding (decodes, or decodes and a few prompt tokens)
 that the CPU attention backend planned (`CpuAttentionMetadata` for every KV cache group), at
 tensor-parallel size 1, with KV caches of the model's dtype, RoPE in every layer (not SmolLM3),
-and whose tokens run no LoRA adapter or all the same one (its deltas are added in C, not
-bit-identical to the layers' but close: tests/lora/test_lora_decode_stack.py); every other step
-runs the layers.
+no residual multiplier (not Granite), and whose tokens run no LoRA adapter or all the same one
+(its deltas are added in C, not bit-identical to the layers' but close:
+tests/lora/test_lora_decode_stack.py); every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ class LlamaDecodeStack:
         supported = (
             get_tp_world_size() == 1
             and all(layer.self_attn.rotary_emb is not None for layer in model.layers)  # no NoPE
+            and all(layer.residual_multiplier is None for layer in model.layers)  # not Granite
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
             and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
         )

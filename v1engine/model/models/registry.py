@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 _MODELS = {
     "Gemma3ForCausalLM": "v1engine.model.models.gemma3:Gemma3ForCausalLM",
+    "GraniteForCausalLM": "v1engine.model.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
