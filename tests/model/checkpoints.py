@@ -8,8 +8,9 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
 qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
-layer in four), granite (its multipliers). Weights are drawn with a larger spread than HF's init
-so logits are far from ties and greedy decoding is a meaningful check.
+layer in four), granite (its multipliers), qwen3_moe (experts in one layer). Weights are drawn
+with a larger spread than HF's init so logits are far from ties and greedy decoding is a
+meaningful check.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8)),
+    # Experts in layer 0, a dense MLP in layer 1 (`mlp_only_layers`), top 2 of 4 renormalized.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     # Granite 3.x's scalars (granite-3.3-2b's values, but a larger logits divisor).
     "granite": (
         "GraniteConfig",

@@ -92,6 +92,13 @@ def test_smollm2_gguf_config():
         check_tensor_parallel_shape(config, 2)
 
 
+def test_an_experts_width_must_split_over_the_ranks():
+    config = make_config("qwen3_moe", moe_intermediate_size=30)  # 32 dense, 30 per expert
+    check_tensor_parallel_shape(config, 2)  # 30 splits in two
+    with pytest.raises(ValueError, match="moe_intermediate_size=30 is not divisible by it"):
+        check_tensor_parallel_shape(config, 4)
+
+
 def test_default_model_path_names_the_install_command(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -165,7 +172,7 @@ def test_unknown_architecture_lists_supported():
     assert get_model_class("Qwen3Model").__name__ == "Qwen3ForCausalLM"
     # So does a sequence classifier (the loader adds its score head).
     assert get_model_class("Qwen2ForSequenceClassification").__name__ == "Qwen2ForCausalLM"
-    assert len(supported_architectures()) == 15
+    assert len(supported_architectures()) == 16
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

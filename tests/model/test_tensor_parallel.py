@@ -37,6 +37,7 @@ TP_CASES = {
     "gemma3": {},
     "smollm3": {},
     "granite": {},
+    "qwen3_moe": {},
 }
 
 

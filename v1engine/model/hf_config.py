@@ -262,6 +262,9 @@ def _tp_problem(hf_config: Any, tp_size: int) -> str | None:
         )
     if intermediate_size is not None and intermediate_size % tp_size != 0:
         return f"intermediate_size={intermediate_size} is not divisible by it"
+    moe_size = getattr(hf_config, "moe_intermediate_size", None)  # each expert's
+    if moe_size is not None and moe_size % tp_size != 0:
+        return f"moe_intermediate_size={moe_size} is not divisible by it"
     return None
 
 

@@ -176,7 +176,9 @@ class Worker(WorkerBase):
     def compile_or_warm_up_model(self) -> None:
         self.model_runner.warm_up()
         if self.device.type == "cuda" and not self.config.model_config.enforce_eager:
-            if self.config.parallel_config.world_size == 1:
+            if not type(self.model_runner.model).supports_cuda_graphs:
+                info_once(logger, "A mixture of experts is not captured in CUDA graphs")
+            elif self.config.parallel_config.world_size == 1:
                 self.model_runner.capture_cuda_graphs()
             else:
                 # torch.distributed's all-reduce inside a captured graph has not run here yet.

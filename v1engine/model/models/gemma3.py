@@ -31,7 +31,12 @@ from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
-from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, get_head_size
+from v1engine.model.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    MakeMLP,
+    get_head_size,
+)
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -66,7 +71,7 @@ class Gemma3MLP(nn.Module):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str, mlp: nn.Module
     ) -> None:
         super().__init__()
         self.layer_type = _layer_types(config)[layer_idx]
@@ -75,7 +80,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
         self.post_attention_layernorm = GemmaRMSNorm(size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = mlp
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
@@ -102,7 +107,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
@@ -123,7 +128,9 @@ class Gemma3Model(nn.Module):
             }
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, self.rotary_embs[kind], f"model.layers.{i}")
+            Gemma3DecoderLayer(
+                config, i, self.rotary_embs[kind], f"model.layers.{i}", make_mlp(config, i)
+            )
             for i, kind in enumerate(_layer_types(config))
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -164,3 +171,7 @@ def _layer_types(config: Any) -> list[str]:
 class Gemma3ForCausalLM(LlamaForCausalLM):
     attention_cls = Gemma3Attention
     model_cls = Gemma3Model
+
+    @staticmethod
+    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
+        return Gemma3MLP(config)

@@ -10,7 +10,7 @@ Interface the model runner relies on, shared by all models in this package:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -169,13 +169,14 @@ class LlamaDecoderLayer(nn.Module):
         attention_cls: type[LlamaAttention],
         rotary_emb: RotaryEmbedding,
         prefix: str,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = attention_cls(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         # Granite's: each block's output is scaled before its residual add (granite.py).
         self.residual_multiplier: float | None = None
 
@@ -204,14 +205,20 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states if multiplier is None else hidden_states * multiplier, residual
 
 
+# Builds a layer's MLP: (config, layer index) -> module (MoE models mix dense and sparse ones).
+MakeMLP = Callable[[Any, int], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by all layers; each step gathers its rows once.
         self.rotary_emb = RotaryEmbedding.from_config(config, get_head_size(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls, self.rotary_emb, f"model.layers.{i}")
+            LlamaDecoderLayer(
+                config, i, attention_cls, self.rotary_emb, f"model.layers.{i}", make_mlp(config, i)
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -245,7 +252,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
-    model_cls: type[nn.Module] = LlamaModel  # built as model_cls(hf_config, attention_cls)
+    supports_cuda_graphs = True  # its decode steps can be captured (not an MoE's)
+    # Built as model_cls(hf_config, attention_cls, make_mlp).
+    model_cls: type[nn.Module] = LlamaModel
+
+    @staticmethod
+    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def __init__(
         self, hf_config: Any, dtype: torch.dtype = torch.float32, has_lm_head: bool = True
@@ -257,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.weights_version = 0  # bumped by every load_weights
         with _default_dtype(dtype):
-            self.model = self.model_cls(hf_config, self.attention_cls)
+            self.model = self.model_cls(hf_config, self.attention_cls, self.make_mlp)
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         if hf_config.tie_word_embeddings or not has_lm_head:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -289,6 +302,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding already holds it
+            if self.load_special_weight(name, loaded):
+                loaded_names.add(name)
+                continue
             param_name, shard_id = _param_name(name)
             if param_name not in params:
                 raise ValueError(
@@ -301,6 +317,11 @@ class LlamaForCausalLM(nn.Module):
             loaded_names.add(name)
         self.weights_version += 1
         return loaded_names
+
+    def load_special_weight(self, name: str, loaded: WeightSource) -> bool:
+        """Loads a checkpoint tensor that has no parameter of its own name (an MoE expert's
+        projection goes into its layer's stacked experts); False: none of those."""
+        return False
 
     def expected_checkpoint_names(self) -> list[str]:
         """The HF tensor names a complete checkpoint provides (fused params expanded)."""

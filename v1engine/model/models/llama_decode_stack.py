@@ -9,9 +9,9 @@ count included), so the hidden states are bit-identical to the layer-by-layer fo
 rows (for every matmul's width) without padding (decodes, or decodes and a few prompt tokens)
 that the CPU attention backend planned (`CpuAttentionMetadata` for every KV cache group), at
 tensor-parallel size 1, with KV caches of the model's dtype, RoPE in every layer (not SmolLM3),
-no residual multiplier (not Granite), and whose tokens run no LoRA adapter or all the same one
-(its deltas are added in C, not bit-identical to the layers' but close:
-tests/lora/test_lora_decode_stack.py); every other step runs the layers.
+no residual multiplier (not Granite), dense MLPs (not an MoE), and whose tokens run no LoRA
+adapter or all the same one (its deltas are added in C, not bit-identical to the layers' but
+close: tests/lora/test_lora_decode_stack.py); every other step runs the layers.
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ class LlamaDecodeStack:
 
     def __init__(self, model: LlamaModel) -> None:
         self._model = model
+        # The layer table holds raw pointers to weights and caches. It is rebuilt when a layer's
+        # cache is rebound (weights that moved, after sleep mode, come with new caches); weak
+        # references tell, without keeping a dropped cache's memory alive.
+        self._cache_refs: list[weakref.ref] = []
+        self._table: ctypes.Array[_Layer] | None = None
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+            self._max_tokens = 0  # a layer's MLP is a mixture of experts: never applies
+            return
         attention = model.layers[0].self_attn
         self._shape = _Shape(
             model.norm.weight.shape[0],
@@ -106,11 +114,6 @@ class LlamaDecodeStack:
             attention.num_heads * attention.head_size,
             self._shape.intermediate,
         )
-        # The layer table holds raw pointers to weights and caches. It is rebuilt when a layer's
-        # cache is rebound (weights that moved, after sleep mode, come with new caches); weak
-        # references tell, without keeping a dropped cache's memory alive.
-        self._cache_refs: list[weakref.ref] = []
-        self._table: ctypes.Array[_Layer] | None = None
 
     def applies(self, hidden: torch.Tensor) -> bool:
         """Whether this step (hidden [tokens, hidden_size]) can run here."""

@@ -19,6 +19,7 @@ _MODELS = {
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "v1engine.model.models.qwen3_moe:Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM": "v1engine.model.models.smollm3:SmolLM3ForCausalLM",
 }
 
