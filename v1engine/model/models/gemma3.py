@@ -38,8 +38,6 @@ from v1engine.model.models.llama import (
     get_head_size,
 )
 
-_FULL, _SLIDING = "full_attention", "sliding_attention"
-
 
 class Gemma3Attention(LlamaAttention):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str):
@@ -159,13 +157,9 @@ class Gemma3Model(nn.Module):
 
 
 def _layer_types(config: Any) -> list[str]:
-    """Each layer's kind; configs without `layer_types` (written before transformers 4.54) have
-    a global layer every `sliding_window_pattern` layers."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types)
-    pattern = getattr(config, "sliding_window_pattern", None) or 6
-    return [_FULL if (i + 1) % pattern == 0 else _SLIDING for i in range(config.num_hidden_layers)]
+    """Each layer's kind: transformers' Gemma3TextConfig lists them (from `sliding_window_pattern`
+    for configs written before it did), and so does the HFConfig read through it."""
+    return list(config.layer_types)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
