@@ -8,7 +8,8 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 (sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
 qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
-layer in four), granite (its multipliers), qwen3_moe (experts in one layer). Weights are drawn
+layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
+mixtral (experts in every layer). Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
 meaningful check.
 """
@@ -87,6 +88,19 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # Qwen2-MoE: routed experts and a shared one in layer 1, a dense MLP in layer 0.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            tie_word_embeddings=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4)),
     # Granite 3.x's scalars (granite-3.3-2b's values, but a larger logits divisor).
     "granite": (
         "GraniteConfig",

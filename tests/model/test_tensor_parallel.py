@@ -38,6 +38,8 @@ TP_CASES = {
     "smollm3": {},
     "granite": {},
     "qwen3_moe": {},
+    "qwen2_moe": {},
+    "mixtral": {},
 }
 
 

@@ -262,9 +262,10 @@ def _tp_problem(hf_config: Any, tp_size: int) -> str | None:
         )
     if intermediate_size is not None and intermediate_size % tp_size != 0:
         return f"intermediate_size={intermediate_size} is not divisible by it"
-    moe_size = getattr(hf_config, "moe_intermediate_size", None)  # each expert's
-    if moe_size is not None and moe_size % tp_size != 0:
-        return f"moe_intermediate_size={moe_size} is not divisible by it"
+    for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # MoE experts'
+        size = getattr(hf_config, name, None)
+        if size is not None and size % tp_size != 0:
+            return f"{name}={size} is not divisible by it"
     return None
 
 

@@ -1,7 +1,8 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE's): a router scores every expert per token, the
-top k by softmax run (their weights renormalized over the k when the config says so), and the
-token's output is their SwiGLU outputs weighted by those scores, summed in expert order (as
-transformers sums them, so float32 results match it to rounding).
+"""A sparse mixture-of-experts MLP (Qwen3-MoE's, Mixtral's): a router scores every expert per
+token, the top k by softmax run (their weights renormalized over the k when the config says so),
+and the token's output is their SwiGLU outputs weighted by those scores, summed in expert order
+(as transformers sums them, so float32 results match it to rounding); Qwen2-MoE adds a shared
+expert, a dense MLP weighted by a sigmoid gate.
 
 The experts' weights are stacked: `w13` [experts, 2 * intermediate, hidden] (gate rows, then up
 rows) and `w2` [experts, hidden, intermediate]. Under tensor parallelism each rank holds every
@@ -45,6 +46,7 @@ class SparseMoeBlock(nn.Module):
         num_experts: int,
         top_k: int,
         renormalize: bool,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
         tp_size = get_tp_world_size()
@@ -61,6 +63,13 @@ class SparseMoeBlock(nn.Module):
         size = self.intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, size), False)
+        # Qwen2-MoE's: a dense MLP every token runs, added with a sigmoid gate's weight.
+        self.shared_expert = shared_expert
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate.weight.requires_grad_(False)
+            self.shared_expert_gate.weight.weight_loader = default_weight_loader
 
     def load_expert_weight(self, expert: int, projection: str, loaded: WeightSource) -> None:
         """Copies this rank's slice of expert `expert`'s `projection` (a checkpoint tensor of
@@ -85,4 +94,8 @@ class SparseMoeBlock(nn.Module):
             x = F.linear(hidden_states[token_idx], self.w13[expert])
             x = F.linear(silu_and_mul(x), self.w2[expert])
             out.index_add_(0, token_idx, x * weights[token_idx, slot, None])
-        return tensor_model_parallel_all_reduce(out)
+        out = tensor_model_parallel_all_reduce(out)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(hidden_states)  # all-reduced by its own down projection
+        return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared

@@ -74,12 +74,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: other than the config's (an MoE's shared expert)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
         self.act_fn = SiluAndMul()
