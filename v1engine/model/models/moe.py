@@ -8,7 +8,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from torch import nn
+
 from v1engine.model.layers.fused_moe import EXPERT_PROJECTIONS, SparseMoeBlock
+from v1engine.model.models.llama import LlamaMLP
 from v1engine.model.weight_utils import WeightSource, default_weight_loader
 
 
@@ -26,6 +29,24 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
         num_experts(config) > 0
         and layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
         and (layer_idx + 1) % step == 0
+    )
+
+
+def qwen_moe_mlp(config: Any, layer_idx: int, shared_expert: bool = False) -> nn.Module:
+    """A Qwen MoE layer's MLP: a dense one of `intermediate_size` where `is_sparse_layer` says
+    not, else `num_experts` experts of `moe_intermediate_size` (and with `shared_expert`,
+    Qwen2-MoE's, a dense one of `shared_expert_intermediate_size` besides)."""
+    if not is_sparse_layer(config, layer_idx):
+        return LlamaMLP(config)
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.moe_intermediate_size,
+        num_experts(config),
+        config.num_experts_per_tok,
+        renormalize=config.norm_topk_prob,
+        shared_expert=(
+            LlamaMLP(config, config.shared_expert_intermediate_size) if shared_expert else None
+        ),
     )
 
 

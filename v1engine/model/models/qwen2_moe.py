@@ -8,22 +8,11 @@ from typing import Any
 
 from torch import nn
 
-from v1engine.model.layers.fused_moe import SparseMoeBlock
-from v1engine.model.models.llama import LlamaMLP
-from v1engine.model.models.moe import MoeCheckpointMixin, is_sparse_layer, num_experts
+from v1engine.model.models.moe import MoeCheckpointMixin, qwen_moe_mlp
 from v1engine.model.models.qwen2 import Qwen2ForCausalLM
 
 
 class Qwen2MoeForCausalLM(MoeCheckpointMixin, Qwen2ForCausalLM):
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config)
-        return SparseMoeBlock(
-            config.hidden_size,
-            config.moe_intermediate_size,
-            num_experts(config),
-            config.num_experts_per_tok,
-            renormalize=config.norm_topk_prob,
-            shared_expert=LlamaMLP(config, config.shared_expert_intermediate_size),
-        )
+        return qwen_moe_mlp(config, layer_idx, shared_expert=True)

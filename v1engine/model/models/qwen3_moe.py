@@ -9,21 +9,11 @@ from typing import Any
 
 from torch import nn
 
-from v1engine.model.layers.fused_moe import SparseMoeBlock
-from v1engine.model.models.llama import LlamaMLP
-from v1engine.model.models.moe import MoeCheckpointMixin, is_sparse_layer, num_experts
+from v1engine.model.models.moe import MoeCheckpointMixin, qwen_moe_mlp
 from v1engine.model.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(MoeCheckpointMixin, Qwen3ForCausalLM):
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
-        if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config)
-        return SparseMoeBlock(
-            config.hidden_size,
-            config.moe_intermediate_size,
-            num_experts(config),
-            config.num_experts_per_tok,
-            renormalize=config.norm_topk_prob,
-        )
+        return qwen_moe_mlp(config, layer_idx)
