@@ -9,7 +9,8 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
 layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
-mixtral (experts in every layer). Weights are drawn
+mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope).
+Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
 meaningful check.
 """
@@ -101,6 +102,23 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_local_experts=4)),
+    # Phi-4-mini's layout: fused q/k/v and gate/up, RoPE over 3/4 of each head with longrope's
+    # short factors (4x its original 64 positions).
+    "phi3": (
+        "Phi3Config",
+        dict(
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            eos_token_id=2,
+            original_max_position_embeddings=64,
+            partial_rotary_factor=0.75,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                "long_factor": [2.0] * 6,
+            },
+        ),
+    ),
     # Granite 3.x's scalars (granite-3.3-2b's values, but a larger logits divisor).
     "granite": (
         "GraniteConfig",

@@ -130,6 +130,11 @@ def test_rope_scaling_stretches_the_positions_as_vllm_derives_them(tmp_path):
         resolve_max_model_len(yarn, 1025)
     linear = load_hf_config(path, overrides={"rope_scaling": {"rope_type": "linear", "factor": 2}})
     assert resolve_max_model_len(linear, None) == 512
+    # Phi's longrope is served over its original context only (its short factors).
+    phi3 = make_config("phi3")  # 256 positions, 64 original
+    assert resolve_max_model_len(phi3, None) == 64
+    with pytest.raises(ValueError, match="longrope's long factors are not supported"):
+        resolve_max_model_len(phi3, 65)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +177,7 @@ def test_unknown_architecture_lists_supported():
     assert get_model_class("Qwen3Model").__name__ == "Qwen3ForCausalLM"
     # So does a sequence classifier (the loader adds its score head).
     assert get_model_class("Qwen2ForSequenceClassification").__name__ == "Qwen2ForCausalLM"
-    assert len(supported_architectures()) == 18
+    assert len(supported_architectures()) == 19
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

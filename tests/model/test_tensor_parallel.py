@@ -40,6 +40,7 @@ TP_CASES = {
     "qwen3_moe": {},
     "qwen2_moe": {},
     "mixtral": {},
+    "phi3": {},
 }
 
 

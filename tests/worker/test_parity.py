@@ -35,7 +35,7 @@ TINY_ATOL = 1e-4
 # 30 layers and a 49152-token vocabulary accumulate more rounding.
 SMOLLM2_ATOL = 5e-4
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_hybrid"]
-ARCHS += ["gemma3", "smollm3", "granite", "qwen3_moe", "qwen2_moe", "mixtral"]
+ARCHS += ["gemma3", "smollm3", "granite", "qwen3_moe", "qwen2_moe", "mixtral", "phi3"]
 
 
 @pytest.fixture(scope="module")

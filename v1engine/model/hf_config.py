@@ -203,8 +203,16 @@ def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[s
     params.update(getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
-    if params["rope_type"] in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        params.setdefault(
+            "original_max_position_embeddings", original or hf_config.max_position_embeddings
+        )
+    if params["rope_type"] == "longrope":  # Phi-3's: the ratio of the two contexts
+        params.setdefault("factor", None)
+        params["factor"] = params["factor"] or (
+            hf_config.max_position_embeddings / params["original_max_position_embeddings"]
+        )
     return params
 
 
@@ -219,6 +227,8 @@ def max_positions(hf_config: Any) -> int | None:
         return int(derived * params["factor"])
     if params.get("rope_type") == "yarn":
         return int(params["original_max_position_embeddings"] * params["factor"])
+    if params.get("rope_type") == "longrope":  # its long factors are not served (rotary_embedding)
+        return params["original_max_position_embeddings"]
     return derived
 
 
@@ -239,10 +249,12 @@ def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
         return derived
     if requested > derived:
         scaled = derived != hf_config.max_position_embeddings
+        why = "RoPE-scaled positions " if scaled else ""
+        if get_rope_parameters(hf_config)["rope_type"] == "longrope":
+            why = "positions v1engine serves (longrope's long factors are not supported) "
         raise ValueError(
-            f"max_model_len={requested} is larger than the model's "
-            f"{'RoPE-scaled positions ' if scaled else ''}max_position_embeddings={derived}; "
-            f"set max_model_len to at most {derived}"
+            f"max_model_len={requested} is larger than the model's {why}"
+            f"max_position_embeddings={derived}; set max_model_len to at most {derived}"
         )
     return requested
 

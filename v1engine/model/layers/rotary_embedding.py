@@ -1,5 +1,5 @@
-"""Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3, linear and
-YaRN scaling.
+"""Rotary position embedding, neox style (rotate halves) as in HF Llama, with llama3, linear,
+YaRN and (short) longrope scaling, over all of each head or its first part (partial RoPE).
 
 cos/sin are precomputed for every position up to `max_position`: the angles in float32 with the
 arithmetic HF uses per step, their cos/sin in float64 rounded to float32 (see `_float32_of`), so
@@ -20,7 +20,7 @@ from torch import nn
 from v1engine.model.hf_config import get_rope_parameters, max_positions
 from v1engine.model.layers import cpu_kernels
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -64,6 +64,24 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> tuple[torc
     return inv_freq, _yarn_attention_factor(params)
 
 
+def _longrope_short_inv_freq(
+    exponents: torch.Tensor, params: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's longrope over its original context: each frequency divided by its short factor,
+    cos/sin scaled by sqrt(1 + ln(factor) / ln(original context)). Its long factors, which
+    transformers switches to once a sequence passes the original context (all positions at
+    once), are not served: `hf_config.max_positions` stops there."""
+    short = torch.tensor(params["short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (short * params["rope_theta"] ** exponents)
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return inv_freq, attention_factor
+
+
 def _yarn_attention_factor(params: dict[str, Any]) -> float:
     if params.get("attention_factor") is not None:
         return params["attention_factor"]
@@ -99,13 +117,17 @@ class RotaryEmbedding(nn.Module):
                 f"rope_type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}"
             )
         self.head_size = head_size
+        # Partial RoPE (Phi-4-mini): only the first `rotary_dim` of each head rotate.
+        self.rotary_dim = dim = int(head_size * params.get("partial_rotary_factor", 1.0))
         base = params["rope_theta"]
         # The tables are computed on the host (numpy below) whatever device the model is built
         # under (`with torch.device("cuda")` in the loader), and only the result goes there.
-        exponents = torch.arange(0, head_size, 2, dtype=torch.float, device="cpu") / head_size
+        exponents = torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim
         inv_freq = 1.0 / (base**exponents)
-        scale = 1.0  # of cos and sin: YaRN's attention factor
-        if rope_type == "llama3":
+        scale = 1.0  # of cos and sin: YaRN's and longrope's attention factor
+        if rope_type == "longrope":
+            inv_freq, scale = _longrope_short_inv_freq(exponents, params)
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
@@ -135,6 +157,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """query/key [num_tokens, num_heads, head_size] -> rotated, with `cos_sin(positions)`."""
         cos, sin = cos_sin
+        if self.rotary_dim < self.head_size:  # the rest of each head passes through
+            dim = self.rotary_dim
+            q_rot, k_rot = rotate(query[..., :dim], key[..., :dim], cos, sin)
+            return torch.cat((q_rot, query[..., dim:]), -1), torch.cat((k_rot, key[..., dim:]), -1)
         if cpu_kernels.applies(query, key, cos, sin):
             return cpu_kernels.rotary(query, key, cos, sin)
         return rotate(query, key, cos, sin)

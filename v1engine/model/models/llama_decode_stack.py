@@ -8,10 +8,11 @@ count included), so the hidden states are bit-identical to the layer-by-layer fo
 (`tests/model/test_decode_stack.py`). It applies to steps of at most `linear.max_kernel_tokens`
 rows (for every matmul's width) without padding (decodes, or decodes and a few prompt tokens)
 that the CPU attention backend planned (`CpuAttentionMetadata` for every KV cache group), at
-tensor-parallel size 1, with KV caches of the model's dtype, RoPE in every layer (not SmolLM3),
-no residual multiplier (not Granite), dense MLPs (not an MoE), and whose tokens run no LoRA
-adapter or all the same one (its deltas are added in C, not bit-identical to the layers' but
-close: tests/lora/test_lora_decode_stack.py); every other step runs the layers.
+tensor-parallel size 1, with KV caches of the model's dtype, RoPE over whole heads in every layer
+(not SmolLM3, Phi-4-mini), no residual multiplier (not Granite), dense MLPs (not an MoE), and
+whose tokens run no LoRA adapter or all the same one (its deltas are added in C, not
+bit-identical to the layers' but close: tests/lora/test_lora_decode_stack.py); every other step
+runs the layers.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ class LlamaDecodeStack:
         tensors = [t for w in weights for t in w.values()] + [t for c in caches for t in c or ()]
         supported = (
             get_tp_world_size() == 1
-            and all(layer.self_attn.rotary_emb is not None for layer in model.layers)  # no NoPE
+            and all(_rotates_whole_heads(layer) for layer in model.layers)  # no NoPE or partial
             and all(layer.residual_multiplier is None for layer in model.layers)  # not Granite
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
             and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
@@ -194,6 +195,11 @@ class LlamaDecodeStack:
             return None
         structs = (_layer_struct(layer, w) for layer, w in zip(model.layers, weights))
         return (_Layer * len(model.layers))(*structs)
+
+
+def _rotates_whole_heads(layer: LlamaDecoderLayer) -> bool:
+    rope = layer.self_attn.rotary_emb
+    return rope is not None and rope.rotary_dim == rope.head_size
 
 
 def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:

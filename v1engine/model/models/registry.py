@@ -18,6 +18,7 @@ _MODELS = {
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "v1engine.model.models.mixtral:MixtralForCausalLM",
+    "Phi3ForCausalLM": "v1engine.model.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "v1engine.model.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
