@@ -210,6 +210,7 @@ class EngineArgs:
             resolve_max_model_len,
             resolve_runner,
         )
+        from v1engine.model.quantized_checkpoint import fp8_weights
 
         if self.runner not in RUNNER_TYPES:
             raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {self.runner!r}")
@@ -218,6 +219,7 @@ class EngineArgs:
         if self.model is not None:
             check_load_format(self.model, self.load_format)
             hf_config = load_hf_config(self.model, self.trust_remote_code, self.hf_overrides)
+            fp8_weights(hf_config)  # a quantization it cannot load fails here, named
             max_model_len = resolve_max_model_len(hf_config, self.max_model_len)
         return ModelConfig(
             model=self.model,

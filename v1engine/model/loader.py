@@ -25,6 +25,7 @@ from v1engine.model.models.registry import (
     is_classifier,
 )
 from v1engine.model.parallel_state import get_tp_rank
+from v1engine.model.quantized_checkpoint import dequantized, fp8_weights
 from v1engine.model.weight_utils import WeightSource
 
 logger = init_logger(__name__)
@@ -82,6 +83,18 @@ def iterate_weights(files: list[str]) -> Iterator[tuple[str, WeightSource]]:
                     bar.update(1)
 
 
+def read_tensors(files: list[str], suffix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint whose name ends with `suffix`, read whole (small ones:
+    quantization scales)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys() if name.endswith(suffix)})
+    return tensors
+
+
 def load_model(
     model_path: str,
     hf_config: Any,
@@ -125,7 +138,11 @@ def load_checkpoint(model: nn.Module, model_path: str) -> None:
         ValueError: the checkpoint lacks a tensor the model needs (or has one it lacks).
     """
     checkpoint_dir = prepare_checkpoint(model_path)
-    weights = iterate_weights(get_weight_files(checkpoint_dir))
+    files = get_weight_files(checkpoint_dir)
+    weights = iterate_weights(files)
+    layout = fp8_weights(model.config)
+    if layout is not None:  # FP8 weights, dequantized as they come
+        weights = dequantized(weights, read_tensors(files, f".{layout.scale_name}"), layout)
     if is_base_model(get_architecture(model.config)):  # its tensors are the causal `model.*`
         weights = ((_causal_name(name), source) for name, source in weights)
     # Slices are read on CPU and copied into the device parameters shard by shard.
