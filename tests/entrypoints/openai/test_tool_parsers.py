@@ -1,8 +1,9 @@
-"""The `llama3_json`, `pythonic` and `mistral` tool-call parsers: what they read as calls and what
-they leave as content (never running anything), and the chat endpoint's `tool_calls`, whole and
-streamed, over a fake engine replaying such replies token by token (the hermes parser runs on a
-real server in test_serve_structured.py); and, for every parser, that a stream sends content as it
-comes, up to where a call may begin, and each call as it is written."""
+"""The `llama3_json`, `pythonic`, `mistral`, `granite` and `phi4_mini_json` tool-call parsers: what
+they read as calls and what they leave as content (never running anything), and the chat
+endpoint's `tool_calls`, whole and streamed, over a fake engine replaying such replies token by
+token (the hermes parser runs on a real server in test_serve_structured.py); and, for every
+parser, that a stream sends content as it comes, up to where a call may begin, and each call as
+it is written."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from tests.entrypoints.openai.scripted_engine import scripted_chat, stream_delta
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.tool_parser_mistral import MistralCallReader, parse_mistral
 from v1engine.entrypoints.openai.tool_parsers import (
+    GraniteCallReader,
     HermesCallReader,
     Llama3JsonCallReader,
+    Phi4MiniJsonCallReader,
     PythonicCallReader,
     content_end,
+    parse_granite,
     parse_llama3_json,
+    parse_phi4_mini_json,
     parse_pythonic,
 )
 
@@ -69,6 +74,17 @@ CALLS = [
     ),
     (parse_mistral, '[TOOL_CALLS]f[ARGS]{"a": [1, {"b": null}]}', [("f", {"a": [1, {"b": None}]})]),
     (parse_mistral, '[TOOL_CALLS] {"name": "now", "arguments": {}}', [("now", {})]),
+    (
+        parse_granite,
+        '<|tool_call|>[{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]',
+        [("weather", WEATHER)],
+    ),
+    (parse_granite, ' [{"name": "a", "arguments": {}}, {"name": "b"}]', [("a", {}), ("b", {})]),
+    (
+        parse_phi4_mini_json,
+        'functools[{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]',
+        [("weather", WEATHER)],
+    ),
 ]
 # (parser, a reply it must leave as content)
 NOT_CALLS = [
@@ -93,6 +109,11 @@ NOT_CALLS = [
     (parse_mistral, '[TOOL_CALLS]weather{"city": "Par'),  # cut by max_tokens
     (parse_mistral, '[TOOL_CALLS]weather["Paris"]'),
     (parse_mistral, "[TOOL_CALLS] [1, 2]"),
+    (parse_granite, "It is sunny in Paris."),
+    (parse_granite, '<|tool_call|>[{"name": "weather", "arguments": {"city": "Par'),
+    (parse_granite, "<|tool_call|>[]"),
+    (parse_phi4_mini_json, '[{"name": "weather", "arguments": {}}]'),  # no functools
+    (parse_phi4_mini_json, "functools is a Python module."),
 ]
 
 
@@ -124,6 +145,11 @@ TOOLS = [
     [
         ("llama3_json", '{"name": "weather", "parameters": {"city": "Paris", "days": 3}}'),
         ("pythonic", "[weather(city='Paris', days=3)]"),
+        ("granite", '[{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]'),
+        (
+            "phi4_mini_json",
+            'functools[{"name": "weather", "arguments": {"city": "Paris", "days": 3}}]',
+        ),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
@@ -167,6 +193,10 @@ def test_a_reply_without_calls_stays_content(tokenizer):
         ("pythonic", "[weather(", 0),
         ("pythonic", "The answer", len("The answer")),
         ("mistral", "Sure. [TOOL_", len("Sure.")),
+        ("granite", "<|tool_", 0),
+        ("granite", "It is", len("It is")),
+        ("phi4_mini_json", "func", 0),
+        ("phi4_mini_json", "It is", len("It is")),
         ("mistral", "Sure. [TOOL_CALLS]weather", len("Sure.")),
     ],
 )
@@ -306,6 +336,8 @@ READER_REPLIES = [
     (PythonicCallReader, "<|python_start|>[a(s='x)\\'', n=[1, {'k': ')'}]), b()]<|python_end|>"),
     (MistralCallReader, 'Hi [TOOL_CALLS]a{"s": "x}", "n": [1, {"k": "}"}]}\n[TOOL_CALLS]b[ARGS]{}'),
     (MistralCallReader, '[TOOL_CALLS] [{"name": "a", "arguments": {"s": "]"}}, {"name": "b"}]'),
+    (GraniteCallReader, '<|tool_call|> [{"name": "a", "arguments": {"s": "]}"}}, {"name": "b"}]'),
+    (Phi4MiniJsonCallReader, 'functools[{"name": "a", "arguments": {"n": [1]}}, {"name": "b"}]'),
 ]
 
 

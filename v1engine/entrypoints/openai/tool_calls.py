@@ -31,8 +31,11 @@ from v1engine.entrypoints.openai.tool_parser_mistral import MistralCallReader
 from v1engine.entrypoints.openai.tool_parsers import (
     CALL_IDS,
     TOOL_CALL_PARSERS,
+    GraniteCallReader,
     HermesCallReader,
+    LeadingCallReader,
     Llama3JsonCallReader,
+    Phi4MiniJsonCallReader,
     PythonicCallReader,
     content_end,
 )
@@ -175,17 +178,15 @@ class ToolCallStream:
 # What reads a reply's calls while it is written: `feed(delta)` returns the new pieces and
 # `calls` the calls so far (forced_calls.ForcedCallReader, or a parser's reader).
 CallReader = (
-    ForcedCallReader
-    | HermesCallReader
-    | Llama3JsonCallReader
-    | MistralCallReader
-    | PythonicCallReader
+    ForcedCallReader | HermesCallReader | LeadingCallReader | MistralCallReader | PythonicCallReader
 )
 # Each parser's reader.
 _STREAMED_READERS: dict[str, Callable[[], CallReader]] = {
+    "granite": GraniteCallReader,
     "hermes": HermesCallReader,
     "llama3_json": Llama3JsonCallReader,
     "mistral": MistralCallReader,
+    "phi4_mini_json": Phi4MiniJsonCallReader,
     "pythonic": PythonicCallReader,
 }
 

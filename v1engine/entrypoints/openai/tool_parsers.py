@@ -16,7 +16,11 @@ no calls where the text does not hold well-formed ones (it then stays content, a
 - mistral (Mistral 7B Instruct v0.3, Mistral Small, Devstral, ...): calls after the
   `[TOOL_CALLS]` special token (tool_parser_mistral.py).
 
-A stream reads the calls while they are written (`HermesCallReader`, `Llama3JsonCallReader`,
+- granite (Granite 3.x): the whole reply is `<|tool_call|>` (or `<tool_call>`, or nothing) and
+  a JSON array of `{"name", "arguments"}` objects; `<|tool_call|>` is a special token, so such
+  requests keep special tokens. phi4_mini_json (Phi-4-mini): the same array after `functools`.
+
+A stream reads the calls while they are written (`HermesCallReader`, `LeadingCallReader`'s kinds,
 `PythonicCallReader`, `MistralCallReader`); `content_end` says how much of a reply may stream as
 content.
 """
@@ -79,6 +83,34 @@ def parse_llama3_json(text: str) -> tuple[str | None, Calls]:
     return None, calls
 
 
+def parse_granite(text: str) -> tuple[str | None, Calls]:
+    return _parse_leading_array(text, _GRANITE_TAGS, tag_required=False)
+
+
+def parse_phi4_mini_json(text: str) -> tuple[str | None, Calls]:
+    return _parse_leading_array(text, _PHI4_TAGS, tag_required=True)
+
+
+def _parse_leading_array(
+    text: str, tags: tuple[str, ...], tag_required: bool
+) -> tuple[str | None, Calls]:
+    """A reply that is one of `tags` (optional unless `tag_required`) and a JSON array of call
+    objects: no content."""
+    body = text.strip()
+    tag = next((tag for tag in tags if body.startswith(tag)), None)
+    if tag is None and tag_required:
+        return text, []
+    body = body.removeprefix(tag or "").strip()
+    try:
+        value = json.loads(body) if body.startswith("[") else None
+    except ValueError:
+        value = None
+    calls = [_as_call(item, ("arguments", "parameters")) for item in value or []]
+    if not calls or None in calls:
+        return text, []
+    return None, calls
+
+
 def parse_pythonic(text: str) -> tuple[str | None, Calls]:
     body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
     if not (body.startswith("[") and body.endswith("]")):
@@ -138,8 +170,15 @@ def _skip_separator(body: str, position: int) -> int | None:
 # it streams), or only at the reply's start (a reply that starts otherwise is all content).
 _CALL_MARKERS = {"hermes": "<tool_call>", "mistral": MISTRAL_MARKER}
 # The parsers whose marker is a special token: their requests keep special tokens in the text.
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
-_CALL_STARTS = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "granite"})
+_GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")
+_PHI4_TAGS = ("functools",)
+_CALL_STARTS = {
+    "llama3_json": ("{", "<|python_tag|>"),
+    "pythonic": ("[", "<|python_start|>"),
+    "granite": ("[", *_GRANITE_TAGS),
+    "phi4_mini_json": _PHI4_TAGS,
+}
 
 
 def content_end(parser: str, text: str) -> int:
@@ -196,25 +235,36 @@ class HermesCallReader(MarkedCallReader):
         return self.reader.feed(array_text)
 
 
-def _decided_body(text: str, tag: str) -> str | None:
-    """A reply so far after its leading whitespace and `tag` (which may open it), once its first
-    character is written; None while that is undecided."""
+def _decided_body(text: str, tags: tuple[str, ...], tag_required: bool = False) -> str | None:
+    """A reply so far after its leading whitespace and one of `tags` (which may open it; must,
+    with `tag_required`: a reply without one is then decided as ""), once its first character
+    after them is written; None while that is undecided."""
     body = text.lstrip()
-    if tag.startswith(body) and body != tag:
-        return None  # empty, or perhaps the tag
+    if any(tag.startswith(body) and body != tag for tag in tags):
+        return None  # empty, or perhaps a tag
+    tag = next((tag for tag in tags if body.startswith(tag)), None)
+    if tag is None:
+        return "" if tag_required else body
     return body.removeprefix(tag).lstrip() or None
 
 
-class Llama3JsonCallReader:
-    """llama3_json calls read while the reply grows: a reply that starts with `{` (after
-    `<|python_tag|>`, if any) is fed to a ForcedCallReader as the items of its array (it skips
-    the `;` between them). Until the reply's start decides, nothing is read; a reply that starts
+class LeadingCallReader:
+    """Calls that make up the whole reply, read while it grows: a reply that starts, after its
+    leading whitespace and one of `tags` (which may open it, or must, with `tag_required`), with
+    `start` holds calls. `{`: call objects (llama3_json's, separated by `;`), fed to a
+    ForcedCallReader as the items of its array; `[`: that array itself (granite's,
+    phi4_mini_json's). Until the reply's start decides, nothing is read; a reply that starts
     otherwise is content and holds no calls."""
 
-    _TAG = "<|python_tag|>"
-
-    def __init__(self) -> None:
-        self.reader = ForcedCallReader(None, argument_keys=("parameters", "arguments"))
+    def __init__(
+        self,
+        tags: tuple[str, ...],
+        start: str,
+        argument_keys: tuple[str, ...] = ("arguments", "parameters"),
+        tag_required: bool = False,
+    ) -> None:
+        self.reader = ForcedCallReader(None, argument_keys=argument_keys)
+        self.tags, self.start, self.tag_required = tags, start, tag_required
         self._text = ""
         self._reading: bool | None = None  # None until the reply's start decides
 
@@ -226,11 +276,28 @@ class Llama3JsonCallReader:
         if self._reading is not None:
             return self.reader.feed(delta) if self._reading else []
         self._text += delta
-        body = _decided_body(self._text, self._TAG)
+        body = _decided_body(self._text, self.tags, self.tag_required)
         if body is None:
             return []
-        self._reading = body.startswith("{")
-        return self.reader.feed("[" + body) if self._reading else []
+        self._reading = body.startswith(self.start)
+        if not self._reading:
+            return []
+        return self.reader.feed(("[" if self.start == "{" else "") + body)
+
+
+class Llama3JsonCallReader(LeadingCallReader):
+    def __init__(self) -> None:
+        super().__init__(("<|python_tag|>",), "{", ("parameters", "arguments"))
+
+
+class GraniteCallReader(LeadingCallReader):
+    def __init__(self) -> None:
+        super().__init__(_GRANITE_TAGS, "[")
+
+
+class Phi4MiniJsonCallReader(LeadingCallReader):
+    def __init__(self) -> None:
+        super().__init__(_PHI4_TAGS, "[", tag_required=True)
 
 
 class PythonicCallReader:
@@ -254,7 +321,7 @@ class PythonicCallReader:
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         self._text += delta
         if self._reading is None:
-            body = _decided_body(self._text, self._TAG)
+            body = _decided_body(self._text, (self._TAG,))
             if body is None:
                 return []
             self._reading = body.startswith("[")
@@ -307,8 +374,10 @@ CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}
 
 
 TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
+    "granite": parse_granite,
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
     "mistral": parse_mistral,
+    "phi4_mini_json": parse_phi4_mini_json,
     "pythonic": parse_pythonic,
 }
