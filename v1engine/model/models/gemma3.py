@@ -26,14 +26,14 @@ from v1engine.model.hf_config import get_rope_parameters, max_positions
 from v1engine.model.layers.activation import GeluTanhAndMul
 from v1engine.model.layers.layernorm import GemmaRMSNorm
 from v1engine.model.layers.linear import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
 from v1engine.model.models.llama import (
+    DecoderModel,
     LlamaAttention,
     LlamaForCausalLM,
+    LlamaMLP,
     MakeMLP,
     get_head_size,
 )
@@ -48,23 +48,6 @@ class Gemma3Attention(LlamaAttention):
     @staticmethod
     def softmax_scale(config: Any, head_size: int) -> float:
         return config.query_pre_attn_scalar**-0.5
-
-
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        if config.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"hidden_activation {config.hidden_activation!r} is not supported for Gemma 3; "
-                "only 'gelu_pytorch_tanh' is"
-            )
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False)
-        self.act_fn = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -104,7 +87,7 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -133,27 +116,13 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The final hidden states of `output_rows` of the tokens (all when None)."""
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
         # HF scales by sqrt(hidden_size) rounded to the model's dtype.
-        hidden_states = hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
-        cos_sin = {
-            kind: rope.cos_sin(positions, hidden_states.dtype)
-            for kind, rope in self.rotary_embs.items()
-        }
-        residual = None
-        for layer in self.layers[:-1]:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual)
-        # As Llama's: the last layer takes only the rows the LM head reads past its attention.
-        hidden_states, residual = self.layers[-1](cos_sin, hidden_states, residual, output_rows)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
+
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, CosSin]:
+        return {kind: rope.cos_sin(positions, dtype) for kind, rope in self.rotary_embs.items()}
 
 
 def _layer_types(config: Any) -> list[str]:
@@ -168,4 +137,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
-        return Gemma3MLP(config)
+        if config.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"hidden_activation {config.hidden_activation!r} is not supported for Gemma 3; "
+                "only 'gelu_pytorch_tanh' is"
+            )
+        return LlamaMLP(config, act_fn=GeluTanhAndMul())

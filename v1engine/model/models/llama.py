@@ -74,16 +74,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
-        """`intermediate_size`: other than the config's (an MoE's shared expert)."""
+    def __init__(
+        self, config: Any, intermediate_size: int | None = None, act_fn: nn.Module | None = None
+    ) -> None:
+        """`intermediate_size`: other than the config's (an MoE's shared expert); `act_fn`: a
+        gated activation other than silu (Gemma's gelu), checked by its model."""
         super().__init__()
-        if config.hidden_act != "silu":
+        if act_fn is None and config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
         bias = getattr(config, "mlp_bias", False)
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = act_fn or SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -210,7 +213,45 @@ class LlamaDecoderLayer(nn.Module):
 MakeMLP = Callable[[Any, int], nn.Module]
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
+    """The forward every decoder here shares: embeddings, the step's RoPE rows, the layers (each
+    `layer(cos_sin, hidden, residual[, output_rows])`, the residual add fused into the next norm)
+    and the final norm. Subclasses build `embed_tokens`, `layers` and `norm`, say how a step
+    embeds and gathers its RoPE rows, and may offer a native decode path (`decode_stack`)."""
+
+    decode_stack: LlamaDecodeStack | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of `output_rows` of the tokens (all when None)."""
+        hidden_states = self.embed(input_ids)  # [num_tokens, hidden_size]
+        cos_sin = self.step_cos_sin(positions, hidden_states.dtype)
+        stack = self.decode_stack
+        if stack is not None and stack.applies(hidden_states):  # a CPU decode step: all in C
+            hidden_states = stack(hidden_states, cos_sin)
+            return hidden_states if output_rows is None else hidden_states[output_rows]
+        residual = None
+        for layer in self.layers[:-1]:
+            hidden_states, residual = layer(cos_sin, hidden_states, residual)
+        # The last layer's outputs feed only the LM head: rows it will not read (a prompt's
+        # tokens before its last) stop after their K/V are written, as llama.cpp's do: a
+        # prefill skips most of one layer's matmuls (SmolLM2: 2.8% of them).
+        hidden_states, residual = self.layers[-1](cos_sin, hidden_states, residual, output_rows)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaModel(DecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -226,29 +267,14 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier: float | None = None  # Granite's (granite.py)
         self.decode_stack = LlamaDecodeStack(self)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The final hidden states of `output_rows` of the tokens (all when None)."""
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        if self.embedding_multiplier is not None:
-            hidden_states = hidden_states * self.embedding_multiplier
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        if self.decode_stack.applies(hidden_states):  # a CPU decode step: all layers in C
-            hidden_states = self.decode_stack(hidden_states, cos_sin)
-            return hidden_states if output_rows is None else hidden_states[output_rows]
-        residual = None
-        for layer in self.layers[:-1]:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual)
-        # The last layer's outputs feed only the LM head: rows it will not read (a prompt's
-        # tokens before its last) stop after their K/V are written, as llama.cpp's do: a
-        # prefill skips most of one layer's matmuls (SmolLM2: 2.8% of them).
-        hidden_states, residual = self.layers[-1](cos_sin, hidden_states, residual, output_rows)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier is None:
+            return hidden_states
+        return hidden_states * self.embedding_multiplier
+
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        return self.rotary_emb.cos_sin(positions, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
