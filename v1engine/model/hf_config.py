@@ -209,10 +209,9 @@ def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[s
             "original_max_position_embeddings", original or hf_config.max_position_embeddings
         )
     if params["rope_type"] == "longrope":  # Phi-3's: the ratio of the two contexts
-        params.setdefault("factor", None)
-        params["factor"] = params["factor"] or (
-            hf_config.max_position_embeddings / params["original_max_position_embeddings"]
-        )
+        if not params.get("factor"):
+            original = params["original_max_position_embeddings"]
+            params["factor"] = hf_config.max_position_embeddings / original
     return params
 
 

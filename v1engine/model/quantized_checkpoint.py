@@ -62,12 +62,12 @@ def fp8_weights(hf_config: Any) -> Fp8Weights | None:
 
 
 def _float8_weights_only(config: dict[str, Any]) -> bool:
-    groups = list((config.get("config_groups") or {}).values())
-    return bool(groups) and all(
-        (group.get("weights") or {}).get("num_bits") == 8
-        and (group.get("weights") or {}).get("type") == "float"
-        and (group.get("weights") or {}).get("strategy") in ("tensor", "channel")
-        for group in groups
+    weights = [group.get("weights") or {} for group in (config.get("config_groups") or {}).values()]
+    return bool(weights) and all(
+        w.get("num_bits") == 8
+        and w.get("type") == "float"
+        and w.get("strategy") in ("tensor", "channel")
+        for w in weights
     )
 
 

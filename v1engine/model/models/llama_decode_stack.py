@@ -171,11 +171,14 @@ class LlamaDecodeStack:
         """The C layer table, built on first use and after the caches were rebound; None if this
         model cannot take the path."""
         caches = [layer.self_attn.attn.kv_cache for layer in self._model.layers]
+        # Every step: one pass over the layers while the caches stay those the table was built on.
+        refs = self._cache_refs
+        if refs and all(c is not None and r() is c[0] for r, c in zip(refs, caches)):
+            return self._table
         if any(cache is None for cache in caches):
             return None
-        if not self._cache_refs or any(r() is not c[0] for r, c in zip(self._cache_refs, caches)):
-            self._cache_refs = [weakref.ref(cache[0]) for cache in caches]
-            self._table = self._build_table()
+        self._cache_refs = [weakref.ref(cache[0]) for cache in caches]
+        self._table = self._build_table()
         return self._table
 
     def _build_table(self) -> ctypes.Array[_Layer] | None:
