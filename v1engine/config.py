@@ -7,7 +7,7 @@ model on disk. `EngineArgs` (the flat, user-facing form) lives in `engine_args.p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # The one list of each choice: the configs validate against them, `EngineArgs` offers them as
@@ -294,6 +294,63 @@ class ProfilerConfig:
         return cls(**values)
 
 
+# vLLM's `speculative_config["method"]`s this engine has: n-gram prompt lookup (the drafts are
+# the tokens that followed the last earlier occurrence of the sequence's ending, no draft model).
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: each decode step also verifies up to `num_speculative_tokens`
+    drafted tokens, and keeps those the model agrees with (worker/spec_decode.py). The n-gram
+    drafter matches the last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`
+    (vLLM's defaults: 5 and 5, or the one given for both)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method in SPECULATIVE_METHODS,
+            f"speculative_config.method must be one of {SPECULATIVE_METHODS} (draft models, "
+            f"EAGLE and MTP are not supported), got {self.method!r}",
+        )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, int) and not isinstance(value, bool)),
+                f"speculative_config.{name} must be an integer, got {value!r}",
+            )
+        _require(
+            self.num_speculative_tokens >= 1,
+            'speculative_config needs "num_speculative_tokens" >= 1 (drafted tokens per step), '
+            f"got {self.num_speculative_tokens}",
+        )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        _require(
+            1 <= low <= high,
+            "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
+        )
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> SpeculativeConfig | None:
+        """None without values. Raises ValueError for a key that is not a field."""
+        if not values:
+            return None
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(names))
+        _require(not unknown, f"unknown speculative_config key(s) {unknown}; valid ones: {names}")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -303,3 +360,10 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     lora_config: LoRAConfig | None = None  # None: LoRA requests are refused
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: one token per decode step
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.scheduler_config.async_scheduling:
+            # A step's drafts come back with its tokens: the next step cannot be planned before.
+            scheduler_config = replace(self.scheduler_config, async_scheduling=False)
+            object.__setattr__(self, "scheduler_config", scheduler_config)

@@ -27,6 +27,7 @@ from v1engine.config import (
     ParallelConfig,
     ProfilerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _CHOICES = {
@@ -97,6 +98,9 @@ _HELP = {
     "limit, and a request may ask for -1, the whole vocabulary)",
     "logprobs_mode": "what logprobs hold: the model's (raw_logprobs, raw_logits) or those the "
     "sampler drew from (processed_logprobs, processed_logits)",
+    "speculative_config": 'a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4}: verify that many tokens drafted from earlier text each decode step '
+    "(config.SpeculativeConfig; turns async scheduling off)",
     "profiler_config": 'a JSON object, e.g. {"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}, to serve /start_profile and /stop_profile (config.ProfilerConfig)',
 }
@@ -143,12 +147,14 @@ class EngineArgs:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # config.LOGPROBS_MODES
     profiler_config: dict[str, Any] | ProfilerConfig | None = None  # worker/profiler.py
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None  # worker/spec_decode.py
 
     def create_engine_config(self) -> EngineConfig:
         """Builds the frozen EngineConfig. Reads a model's config files (never its weights)."""
         model_config = self._model_config()
         hf_config, max_model_len = model_config.hf_config, model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens or max(2048, self.max_num_seqs)
+        speculative_config = self._speculative_config(model_config.runner_type)
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -169,7 +175,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=self.async_scheduling,  # off with speculative decoding
                 policy=self.scheduling_policy,
             ),
             device_config=DeviceConfig(device=self.device),
@@ -179,12 +185,25 @@ class EngineArgs:
                 if isinstance(self.profiler_config, ProfilerConfig)
                 else ProfilerConfig.from_dict(self.profiler_config)
             ),
+            speculative_config=speculative_config,
         )
         if hf_config is not None:
             from v1engine.model.hf_config import check_tensor_parallel_shape, get_architecture
 
             get_architecture(hf_config)  # an unsupported architecture fails here, in-process
             check_tensor_parallel_shape(hf_config, self.tensor_parallel_size)
+        return config
+
+    def _speculative_config(self, runner_type: str) -> SpeculativeConfig | None:
+        """Raises ValueError for a bad speculative_config, or one on a pooling engine."""
+        config = self.speculative_config
+        if not isinstance(config, SpeculativeConfig):
+            config = SpeculativeConfig.from_dict(config)
+        if config is not None and runner_type == "pooling":
+            raise ValueError(
+                "speculative_config drafts generated tokens, and this engine pools (embeddings "
+                "or classification); drop it"
+            )
         return config
 
     def _lora_config(self, runner_type: str) -> LoRAConfig | None:

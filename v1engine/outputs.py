@@ -63,6 +63,9 @@ class SchedulerOutput:
     # may be sampled (xgrammar's packing). The sampling rank masks those logits rows with it.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: req_id -> the drafted tokens this step verifies, after the request's
+    # known tokens (counted in its num_scheduled_tokens; see worker/spec_decode.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -93,6 +96,8 @@ class ModelRunnerOutput:
     # A pooling engine's: per request whose prompt ended this step, its last token's final
     # hidden state (it samples nothing; see pooling_params.py).
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: per request in req_ids, the tokens drafted for its next step.
+    spec_token_ids: list[list[int]] | None = None
 
     def logprobs_by_request(self) -> dict[str, LogprobsLists]:
         """The step's logprobs as one single-row LogprobsLists per sampling request."""

@@ -202,6 +202,9 @@ class Request:
         # Prompt tokens found in the prefix cache the first time the request was scheduled.
         self.num_cached_tokens = 0
         self.num_output_placeholders = 0
+        # Speculative decoding: tokens drafted for its next step, not yet verified (never in
+        # all_token_ids or num_computed_tokens).
+        self.spec_token_ids: list[int] = []
         self.sent_to_workers = False
         # When the engine core queued it and first scheduled it, on the core's monotonic clock
         # (0.0: not yet); sent with its first output, for the queue and prefill time metrics.
@@ -352,6 +355,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # With LoRA: adapter name -> its requests running, and waiting (vLLM's).
     running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    # Speculative decoding: requests steps verified drafts for, the drafted tokens, and those
+    # accepted.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

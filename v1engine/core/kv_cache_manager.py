@@ -163,8 +163,10 @@ class KVCacheManager:
         if self.num_groups == 0:
             return ()
         num_held_blocks = len(req_blocks[0]) if req_blocks else 0
-        num_new_blocks = cdiv(num_tokens, self.block_size) - num_held_blocks - num_hit_blocks
-        assert num_new_blocks >= 0, "a request never needs fewer blocks than it holds"
+        # Fewer than it holds after speculative decoding rejected drafts that had needed a block.
+        num_new_blocks = max(
+            0, cdiv(num_tokens, self.block_size) - num_held_blocks - num_hit_blocks
+        )
         if not self._can_allocate(num_new_blocks, hits):
             return None
         if req_blocks is None:

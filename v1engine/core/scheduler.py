@@ -6,53 +6,48 @@ difference under one budget of `max_num_batched_tokens`. A decode is simply a re
 behind; a long prompt is chunked across steps because the budget runs out (chunked prefill).
 
 `schedule()` in three steps:
-1. RUNNING requests, oldest first, each min(tokens left, budget) tokens. When the pool cannot
-   hold a request's new tokens, the newest running request is preempted (blocks freed, back to
-   the front of the waiting queue, recomputed from scratch later) and the allocation retried; a
-   request may end up preempting itself.
+1. RUNNING requests, oldest first, each min(tokens left, budget) tokens, plus the drafts it
+   carries under speculative decoding (`spec_decode.py`). When the pool cannot hold a request's
+   new tokens, the newest running request is preempted (blocks freed, back to the front of the
+   waiting queue, recomputed later) and the allocation retried; it may be the request itself.
 2. WAITING requests, first come first served, while budget, `max_num_seqs` and blocks last (the
-   head of the queue is never overtaken, except by requests whose structured-output grammar
-   is still compiling, and by requests of a LoRA adapter while `max_loras` others run: those
-   are skipped). Prefix-cache hits count as computed (a request asking for prompt logprobs
-   gets none: it must compute every prompt position). Skipped in a step that preempted:
-   blocks just ran out.
-3. The `SchedulerOutput` (`scheduler_output.py`): new requests whole, the others as diffs, and
-   the grammar bitmask rows of the structured requests that sample this step. The scheduled
-   requests' `num_computed_tokens` then advance at once, and each request that samples this
-   step gains an output placeholder.
+   head is never overtaken, except by requests whose grammar is still compiling, and by those of
+   a LoRA adapter while `max_loras` others run: those are skipped). Prefix-cache hits count as
+   computed (not for a request asking for prompt logprobs: it must compute every position).
+   Skipped in a step that preempted: blocks just ran out.
+3. The `SchedulerOutput` (`scheduler_output.py`); the scheduled requests' `num_computed_tokens`
+   then advance at once, and each request that samples this step gains an output placeholder.
 
-`update_from_output()` later turns a step's sampled tokens into outputs: it fills the
-placeholders, advances grammars and finishes requests; a prefill chunk that samples nothing sends
-an output only when it carries prompt logprobs. A pooling engine's workers return a hidden state
-where they would sample: its request finishes with it ("stop"), never decoding.
+`update_from_output()` turns a step's sampled tokens into outputs: it fills the placeholders,
+advances grammars and finishes requests; a prefill chunk that samples nothing sends an output
+only with prompt logprobs. A pooling engine's request finishes with its hidden state ("stop").
 
-With the "priority" policy (vLLM's), both queues are kept in (priority, arrival time) order,
-lower first, instead of arrival and admission order: the waiting queue's head is the most urgent
-request (a preempted one goes back to its place, not to the front), running requests get the
-budget in that order, and the one preempted is the least urgent (latest among equals).
+The "priority" policy (vLLM's) keeps both queues in (priority, arrival time) order, lower first:
+the waiting head is the most urgent request (a preempted one goes back to its place), running
+requests get the budget in that order, and the least urgent (latest among equals) is preempted.
 
-Async scheduling (the engine core plans step N+1 while the workers run step N) needs nothing
-else: a request whose token of step N is still a placeholder is scheduled one more token on top
-of it, and the workers fill that token in themselves (they append what they sample). It is not
-scheduled ahead when the placeholders may already reach its length limits, or when it has a
-grammar (the bitmask needs every earlier token); a preempted request resumes only after its
-in-flight token arrived. Preemption, stops and aborts need no special case: a token sampled for
-a request that has finished since is dropped.
+Async scheduling (step N+1 planned while the workers run step N): a request whose token of step
+N is still a placeholder is scheduled one more token on top of it, which the workers fill in
+themselves (they append what they sample). Not when the placeholders may reach its length
+limits, nor with a grammar (its bitmask needs every earlier token); a preempted request resumes
+only after its in-flight token arrived; a token sampled for a request finished since is dropped.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from v1engine.core.scheduler_output import StepPlan, build_scheduler_output
+from v1engine.core.spec_decode import SpecDecoding, drafts_in_step
 from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
+from v1engine.lora.request import adapter_counts
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.request import (
     EngineCoreOutput,
@@ -100,6 +95,7 @@ class Scheduler:
         # Requests whose grammar failed to compile, reported by the next update_from_output.
         self.grammar_error_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.spec_decoding = SpecDecoding(self.max_model_len)
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request (EngineCore.add_request checks user input)."""
@@ -154,7 +150,9 @@ class Scheduler:
         self.finished_req_ids = set()
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            request.num_computed_tokens += num_tokens
+            # Drafts count as computed only once verified (core/spec_decode.py).
+            request.num_computed_tokens += num_tokens - len(plan.spec_token_ids.get(req_id, ()))
+            request.spec_token_ids = []
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # it samples: its token comes later
         return output
@@ -166,17 +164,16 @@ class Scheduler:
             if request.num_output_placeholders and not self._may_run_ahead(request):
                 index += 1  # its in-flight token may finish it, or its grammar needs it first
                 continue
-            num_new_tokens = min(
-                request.num_tokens_with_placeholders - request.num_computed_tokens,
-                plan.token_budget,
-            )
+            num_known = request.num_tokens_with_placeholders - request.num_computed_tokens
+            num_new_tokens = min(num_known + len(request.spec_token_ids), plan.token_budget)
             # A running request always has a token to compute: the one its last step sampled
             # (known or still in flight), or the rest of a prompt being chunked in.
             assert num_new_tokens > 0, request
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_blocks is None:
                 return  # it preempted itself, and with it every request after it
-            plan.add(request, num_new_tokens, new_blocks)
+            drafts = drafts_in_step(request, num_new_tokens, num_known)
+            plan.add(request, num_new_tokens, new_blocks, drafts)
             index += 1
 
     def _may_run_ahead(self, request: Request) -> bool:
@@ -208,6 +205,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         self._put(self.waiting, request, self.waiting.appendleft)
         self.num_preemptions += 1
         plan.preempted_req_ids.add(request.request_id)
@@ -275,14 +273,18 @@ class Scheduler:
         logprobs = model_runner_output.logprobs_by_request()
         prompt_logprobs = model_runner_output.prompt_logprobs
         pooled = model_runner_output.pooler_output
+        verified = scheduler_output.scheduled_spec_decode_tokens
+        drafts = model_runner_output.spec_token_ids
+        drafts = {} if drafts is None else dict(zip(model_runner_output.req_ids, drafts))
         outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # finished or aborted after it was scheduled: its token is dropped
             tokens = sampled.get(req_id, [])
-            # Workers sample (or pool) only where the scheduler counted a placeholder.
-            num_filled = len(tokens) + (req_id in pooled)
+            # Workers sample (or pool) only where the scheduler counted a placeholder; a step
+            # that verified drafts returns more than one token for it.
+            num_filled = bool(tokens) + (req_id in pooled)
             assert request.num_output_placeholders >= num_filled, request
             request.num_output_placeholders -= num_filled
             # Preempted while its step ran: the token still counts; it resumes after it.
@@ -298,6 +300,8 @@ class Scheduler:
                 outputs.append(output)
                 if preempted and request.is_finished():
                     self.waiting.remove(request)
+            if verified or drafts:
+                self.spec_decoding.update(request, verified.get(req_id), tokens, drafts.get(req_id))
         if any(request.is_finished() for request in self.running):
             self.running = [request for request in self.running if not request.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
@@ -384,16 +388,9 @@ class Scheduler:
             num_prefix_cache_query_tokens=prefix_stats.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
-            **(self._lora_stats() if self.max_loras else {}),
+            **self.spec_decoding.stats(),
+            **(adapter_counts(self.running, self.waiting) if self.max_loras else {}),
         )
-
-    def _lora_stats(self) -> dict[str, dict[str, int]]:
-        """vLLM's adapter name -> requests counts, running and waiting."""
-        counts = [
-            Counter(r.lora_request.lora_name for r in q if r.lora_request)
-            for q in (self.running, self.waiting)
-        ]
-        return {"running_lora_adapters": dict(counts[0]), "waiting_lora_adapters": dict(counts[1])}
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

@@ -25,12 +25,22 @@ class StepPlan:
     new_reqs: list[Request] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Drafted tokens the step verifies, by request (counted in its scheduled tokens).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
+    def add(
+        self,
+        request: Request,
+        num_tokens: int,
+        new_blocks: KVCacheBlocks,
+        drafts: list[int] | None = None,
+    ) -> None:
         assert request.request_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.new_blocks[request.request_id] = new_blocks
         self.token_budget -= num_tokens
+        if drafts:
+            self.spec_token_ids[request.request_id] = drafts
 
 
 def build_scheduler_output(
@@ -65,6 +75,7 @@ def build_scheduler_output(
         total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
         finished_req_ids=finished_req_ids,
         preempted_req_ids=plan.preempted_req_ids,
+        scheduled_spec_decode_tokens=plan.spec_token_ids,
         **_grammar_bitmask(plan, requests, structured_output_manager),
     )
 

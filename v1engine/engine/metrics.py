@@ -4,9 +4,10 @@ tests, must not collide in the global one). Every series carries `model_name`, t
 model name.
 
 Where each comes from, as in vLLM:
-- running, waiting, KV cache usage, preemptions and prefix-cache queries and hits: the scheduler
-  stats the engine core sends with each step's outputs (the counts there are cumulative, so the
-  counters add what changed since the last stats);
+- running, waiting, KV cache usage, preemptions, prefix-cache queries and hits, and speculative
+  decoding's drafts, draft tokens and accepted tokens: the scheduler stats the engine core sends
+  with each step's outputs (the counts there are cumulative, so the counters add what changed
+  since the last stats);
 - per engine request (an n > 1 request counts n times), tracked here from its outputs
   (`RequestStats`): time to first token and end-to-end latency from its arrival in this process;
   inter-token latency, queue, prefill, decode and inference times on the engine core's clock
@@ -124,6 +125,26 @@ class ServerMetrics:
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
         )
+        self.spec_decode = [  # (counter, the SchedulerStats field it follows)
+            (add(Counter, name, help_text), field)
+            for name, help_text, field in (
+                (
+                    "vllm:spec_decode_num_drafts",
+                    "Number of spec decoding drafts.",
+                    "num_spec_drafts",
+                ),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Number of draft tokens.",
+                    "num_spec_draft_tokens",
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Number of accepted tokens.",
+                    "num_spec_accepted_tokens",
+                ),
+            )
+        ]
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -256,6 +277,8 @@ class ServerMetrics:
         hits = stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens
         self.prefix_cache_queries.inc(max(queries, 0))
         self.prefix_cache_hits.inc(max(hits, 0))
+        for counter, field in self.spec_decode:
+            counter.inc(max(getattr(stats, field) - getattr(last, field), 0))
 
     def reset_idle_gauges(self) -> None:
         self.num_requests_running.set(0)

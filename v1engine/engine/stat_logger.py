@@ -54,6 +54,9 @@ class _Totals:
     generation_tokens: float
     prefix_cache_queries: float
     prefix_cache_hits: float
+    spec_drafts: float
+    spec_draft_tokens: float
+    spec_accepted_tokens: float
 
 
 class LoggingStatLogger:
@@ -73,6 +76,9 @@ class LoggingStatLogger:
             value("vllm:generation_tokens_total"),
             value("vllm:prefix_cache_queries_total"),
             value("vllm:prefix_cache_hits_total"),
+            value("vllm:spec_decode_num_drafts_total"),
+            value("vllm:spec_decode_num_draft_tokens_total"),
+            value("vllm:spec_decode_num_accepted_tokens_total"),
         )
 
     def log(self) -> None:
@@ -97,6 +103,23 @@ class LoggingStatLogger:
             value("vllm:num_requests_waiting"),
             100 * value("vllm:kv_cache_usage_perc"),
             100 * hits / queries if queries > 0 else 0.0,
+        )
+        if now.spec_drafts > last.spec_drafts:
+            self._log_spec_decoding(now, last)
+
+    @staticmethod
+    def _log_spec_decoding(now: _Totals, last: _Totals) -> None:
+        """vLLM's line: a step's acceptance length counts the token after the drafts too."""
+        drafts = now.spec_drafts - last.spec_drafts
+        drafted = now.spec_draft_tokens - last.spec_draft_tokens
+        accepted = now.spec_accepted_tokens - last.spec_accepted_tokens
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d "
+            "tokens, Draft acceptance rate: %.1f%%",
+            1 + accepted / drafts,
+            accepted,
+            drafted,
+            100 * accepted / drafted if drafted > 0 else 0.0,
         )
 
     async def run(self, interval_s: float) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
 import msgspec
 
 
@@ -29,3 +33,16 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(
                 f"LoRARequest {self.lora_name!r}: lora_path must name the adapter's folder"
             )
+
+
+def adapter_counts(running: Iterable[Any], waiting: Iterable[Any]) -> dict[str, dict[str, int]]:
+    """vLLM's adapter name -> request counts, of the running and of the waiting requests (each
+    with a `lora_request`), as the scheduler's stats carry them."""
+    running_counts, waiting_counts = (
+        Counter(r.lora_request.lora_name for r in queue if r.lora_request)
+        for queue in (running, waiting)
+    )
+    return {
+        "running_lora_adapters": dict(running_counts),
+        "waiting_lora_adapters": dict(waiting_counts),
+    }

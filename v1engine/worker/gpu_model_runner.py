@@ -9,11 +9,12 @@ A step (`execute_model`):
    once, in `load_model`) builds from the group's slot mapping and block table.
 3. forward inside `set_forward_context`, then logits only at the prompt positions whose
    prompt logprobs are asked for (`prompt_logprobs.py`) and at those last tokens (every rank:
-   the LM head gathers over the tensor-parallel group); the driver alone samples (a greedy step
-   of a few requests on one CPU rank reads the LM head through `greedy_screen.py`), and every
-   rank appends the driver's tokens to its request states (the next step may already be
-   scheduled on top of them). A pooling engine (`runner="pooling"`) samples nothing: the
-   driver returns those last tokens' hidden states instead.
+   the LM head gathers over the tensor-parallel group); the driver alone samples
+   (`step_sampler.py`), and every rank appends the driver's tokens to its request states (the
+   next step may already be scheduled on top of them). A pooling engine (`runner="pooling"`)
+   samples nothing: the driver returns those last tokens' hidden states instead.
+4. With speculative decoding, the LM head also reads each draft the step verifies, and the
+   driver proposes the drafts of each request's next step (`spec_decode.py`).
 
 The class runs on CPU or CUDA alike; its name follows vLLM.
 """
@@ -41,9 +42,7 @@ from v1engine.model.layers.attention_backend import (
     set_forward_context,
 )
 from v1engine.model.layers.sampler import Sampler
-from v1engine.model.layers.sampling_metadata import SamplingMetadata
 from v1engine.model.loader import load_model
-from v1engine.model.parallel_state import broadcast_from_driver
 from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from v1engine.utils import GiB_bytes
 from v1engine.worker.cuda_graphs import DecodeCudaGraphs
@@ -57,14 +56,13 @@ from v1engine.worker.model_inputs import (
     ModelInputs,
     build_dummy_model_inputs,
     build_model_inputs,
-    build_sampling_metadata,
     dummy_sampling_metadata,
-    grammar_bitmask_rows,
     profile_query_lens,
-    to_logprobs_lists,
 )
 from v1engine.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from v1engine.worker.request_states import InputBatch, RequestStates
+from v1engine.worker.spec_decode import propose_drafts
+from v1engine.worker.step_sampler import StepSampler
 
 logger = init_logger(__name__)
 
@@ -98,6 +96,9 @@ class GPUModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.weights_bytes = 0
         self.sampler = Sampler(model_config.logprobs_mode)
+        self.step_sampler: StepSampler | None = None  # with the model
+        # Drafts proposed for each request's next step (spec_decode.py); None: none.
+        self.speculative_config = config.speculative_config
         # The weights' packed copies and the greedy screen (derived_weights.py).
         self.derived: DerivedWeights | None = None
         # The request states and the persistent batch; built with the KV cache.
@@ -121,6 +122,9 @@ class GPUModelRunner:
         self.attn_backend = get_default_attention_backend(self.device.type)
         # A pooling engine never samples: no bfloat16 copy of the LM head either.
         self.derived = DerivedWeights(self.model, with_greedy_screen=not self.pooling)
+        self.step_sampler = StepSampler(
+            self.model, self.sampler, self.derived, self.vocab_size, self.is_driver, self.tp_size
+        )
         # parameters() yields a tied weight once; the derived copies are not parameters.
         self.weights_bytes = self.derived.nbytes + sum(
             p.numel() * p.element_size() for p in self.model.parameters()
@@ -288,8 +292,12 @@ class GPUModelRunner:
             )
         if not req_ids:
             return ModelRunnerOutput(req_ids, []) if self.is_driver else None
+        num_drafts = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], dtype=np.int64)
         inputs = build_model_inputs(
-            batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
+            batch, query_lens, self.attn_backend, self.kv_cache_group_specs, self.device, num_drafts
         )
         lora = None
         if self.lora is not None:
@@ -299,11 +307,19 @@ class GPUModelRunner:
         hidden, prompt_logprobs = self._run_model(inputs, query_lens, lora)
         if self.pooling:
             return self._pool(hidden, inputs, req_ids)
-        sampled, logprobs = self._sample(hidden, inputs, req_ids, scheduler_output)
+        sampled, logprobs = self.step_sampler.sample(
+            hidden, inputs, req_ids, self.states, scheduler_output
+        )
         self.states.append_sampled(req_ids, sampled)
         if not self.is_driver:
             return None
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        output = ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        if self.speculative_config is not None:
+            row_states = [self.states.requests[r] for r in req_ids]
+            output.spec_token_ids = propose_drafts(
+                self.speculative_config, batch, row_states, inputs.sampling_rows
+            )
+        return output
 
     def _run_model(
         self, inputs: ModelInputs, query_lens: np.ndarray, lora: LoRAMapping | None
@@ -328,7 +344,7 @@ class GPUModelRunner:
     @staticmethod
     def _output_rows(inputs: ModelInputs) -> torch.Tensor | None:
         """The rows the LM head reads, or None where it reads them all (decodes only)."""
-        every_row = len(inputs.sampling_rows) == inputs.input_ids.shape[0]
+        every_row = inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
         return None if every_row else inputs.logits_indices
 
     def _pool(
@@ -345,50 +361,6 @@ class GPUModelRunner:
         vectors = hidden.float().cpu().tolist()
         pooled = {req_ids[row]: vector for row, vector in zip(inputs.sampling_rows, vectors)}
         return ModelRunnerOutput(req_ids, [[] for _ in req_ids], pooler_output=pooled)
-
-    def _sample(
-        self,
-        hidden: torch.Tensor,
-        inputs: ModelInputs,
-        req_ids: list[str],
-        scheduler_output: SchedulerOutput,
-    ) -> tuple[list[list[int]], LogprobsLists | None]:
-        """Per request, the token it samples ([] for a partial prefill chunk), and the sampled
-        rows' logprobs, within the grammar bitmask the scheduler sent for structured requests.
-        `hidden`: the sampling rows' hidden states. The driver samples; every rank gets its
-        tokens (each appends them to its states)."""
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        if not inputs.sampling_rows:  # only partial prefill chunks
-            return sampled, None
-        logprobs = None
-        if self.is_driver:
-            sampling_req_ids = [req_ids[row] for row in inputs.sampling_rows]
-            states = [self.states.requests[req_id] for req_id in sampling_req_ids]
-            bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
-            metadata = build_sampling_metadata(states, self.vocab_size, self.device, bitmask)
-            token_ids, logprobs = self._driver_sample(hidden, metadata)
-        else:
-            self.model.compute_logits(hidden)  # the LM head gathers over every rank
-            token_ids = torch.empty(
-                len(inputs.sampling_rows), dtype=torch.int64, device=self.device
-            )
-        if self.tp_size > 1:
-            token_ids = broadcast_from_driver(token_ids)
-        for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
-            sampled[row] = [token_id]
-        return sampled, logprobs
-
-    def _driver_sample(
-        self, hidden: torch.Tensor, metadata: SamplingMetadata
-    ) -> tuple[torch.Tensor, LogprobsLists | None]:
-        """The sampling rows' tokens [num_sampling] and logprobs, on the driver."""
-        screen = self.derived.greedy_screen
-        if screen is not None and metadata.argmax_only and screen.applies(len(hidden)):
-            token_ids = screen.argmax(hidden)
-            if token_ids is not None:
-                return token_ids, None
-        output = self.sampler(self.model.compute_logits(hidden), metadata)
-        return output.sampled_token_ids, to_logprobs_lists(output.logprobs)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.states is None:

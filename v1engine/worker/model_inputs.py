@@ -38,7 +38,8 @@ class ModelInputs:
     # Per KV cache group, what the backend built attn_metadata from (the CUDA graphs copy it
     # into their static buffers); None with attn_metadata.
     common_metadata: list[CommonAttentionMetadata] | None
-    # [num_sampling_reqs] int64: the flat index of each sampling request's last token.
+    # [num_logits] int64: the flat index of each sampling request's last token (with drafts to
+    # verify, of its last known token and each draft, in order).
     logits_indices: torch.Tensor
     # Batch rows that sample this step, in row order (rows of logits_indices).
     sampling_rows: list[int]
@@ -55,14 +56,19 @@ class StepLayout:
     max_query_len: int
 
 
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0 .. lengths[i] - 1 for each i, concatenated."""
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+
+
 def step_layout(num_computed_tokens: np.ndarray, query_lens: np.ndarray) -> StepLayout:
     """The layout of rows computing `query_lens[r]` tokens after `num_computed_tokens[r]`."""
     query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     req_indices = np.repeat(np.arange(len(query_lens)), query_lens)
-    offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], query_lens)
     num_computed = num_computed_tokens.astype(np.int64)
-    positions = num_computed[req_indices] + offsets
+    positions = num_computed[req_indices] + _ranks(query_lens)
     seq_lens = num_computed + query_lens
     return StepLayout(query_start_loc, seq_lens, req_indices, positions, int(query_lens.max()))
 
@@ -131,10 +137,13 @@ def build_model_inputs(
     attn_backend: AttentionBackend,
     kv_cache_group_specs: list[AttentionSpec],
     device: torch.device,
+    num_drafts: np.ndarray | None = None,
 ) -> ModelInputs:
     """Inputs for the batch's rows (at least one), each computing `query_lens[row]` new tokens.
 
-    `kv_cache_group_specs[g]` is the spec of KV cache group g (`batch.block_tables[g]`).
+    `kv_cache_group_specs[g]` is the spec of KV cache group g (`batch.block_tables[g]`);
+    `num_drafts[row]`: the drafted tokens written after the row's known tokens, which the step
+    computes and verifies (worker/spec_decode.py).
 
     Raises:
         RuntimeError: a request is scheduled past the end of its known tokens.
@@ -142,10 +151,15 @@ def build_model_inputs(
     num_reqs = batch.num_reqs
     layout = step_layout(batch.num_computed_tokens[:num_reqs], query_lens)
     num_tokens = batch.num_tokens[:num_reqs]
+    if num_drafts is not None:
+        num_tokens = num_tokens + num_drafts
     _check_known_tokens(batch, layout.seq_lens, num_tokens)
     input_ids = batch.token_ids[layout.req_indices, layout.positions]  # [num_tokens]
     sampling_rows = np.flatnonzero(layout.seq_lens == num_tokens)
     logits_indices = layout.query_start_loc[1:][sampling_rows] - 1
+    if num_drafts is not None:  # the last 1 + num_drafts tokens of each sampling row
+        counts = num_drafts[sampling_rows] + 1
+        logits_indices = np.repeat(logits_indices + 1 - counts, counts) + _ranks(counts)
     query_start_loc = _to_device(layout.query_start_loc, torch.int32, device)
     per_group = build_common_attn_metadata(batch.block_tables, layout, query_start_loc, device)
     return ModelInputs(
@@ -233,7 +247,7 @@ def build_dummy_model_inputs(
 _PROFILE_NUM_ALLOWED = 20
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     return (
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
@@ -241,7 +255,7 @@ def _has_penalties(params: SamplingParams) -> bool:
     )
 
 
-def _has_masks(params: SamplingParams) -> bool:
+def has_masks(params: SamplingParams) -> bool:
     uses_masks = params.logit_bias or params.allowed_token_ids or params._bad_words_token_ids
     return params.min_tokens > 0 or bool(uses_masks)
 
@@ -295,8 +309,8 @@ def build_sampling_metadata(
     """One row per state, in order; seeded requests bring their own generators;
     `grammar_bitmask` from `grammar_bitmask_rows`."""
     params = [state.sampling_params for state in states]
-    penalties = any(_has_penalties(p) for p in params)
-    masks = any(_has_masks(p) for p in params)
+    penalties = any(has_penalties(p) for p in params)
+    masks = any(has_masks(p) for p in params)
     num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata.from_lists(
         temperature=[p.temperature for p in params],

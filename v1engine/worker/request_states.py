@@ -42,6 +42,9 @@ The SchedulerOutput-diff contract (the types are in `v1engine/outputs.py`):
   a request that has no row (new, resumed, or left out of an earlier step) is written whole.
 - A request samples only when its computed tokens plus this step's reach the end of its known
   tokens; a partial prefill chunk samples nothing.
+- `scheduled_spec_decode_tokens` (speculative decoding): drafted tokens the step computes after
+  a request's known tokens, counted in its scheduled tokens; the workers return the drafts they
+  accept and one token after them, and append those.
 - Every tensor-parallel rank applies the same SchedulerOutput and must end with the same rows,
   or the all-reduces mix requests. Sets iterate in each process's own string-hash order, so
   removals go in sorted order; additions follow the order of `num_scheduled_tokens`.
@@ -176,6 +179,18 @@ class InputBatch:
             ),
         )
 
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """Writes drafted tokens after the row's known tokens (which they do not join: only
+        those the step accepts are appended, as sampled tokens)."""
+        start = int(self.num_tokens[row])
+        if start + len(drafts) > self.token_ids.shape[1] - 1:
+            raise RuntimeError(
+                f"request {self.req_ids[row]!r} has {start} tokens and {len(drafts)} drafts, "
+                f"more than max_model_len={self.max_model_len} with the token after them; the "
+                "scheduler must trim drafts to the room left"
+            )
+        self.token_ids[row, start : start + len(drafts)] = drafts
+
     def append_block_ids(self, row: int, new_block_ids: tuple[list[int], ...]) -> None:
         for table, block_ids in zip(self.block_tables, new_block_ids):
             table.append_row(row, block_ids)
@@ -262,6 +277,8 @@ class RequestStates:
         for req_id in scheduled:
             if req_id not in batch.req_id_to_index:
                 batch.add_request(self.requests[req_id])
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            batch.write_drafts(batch.req_id_to_index[req_id], drafts)
 
     def _check(self, scheduler_output: SchedulerOutput) -> None:
         """Raises on a SchedulerOutput that names requests the workers cannot hold."""

@@ -27,6 +27,9 @@ COUNTERS = [
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
 ]
 # Observed once per finished engine request.
 PER_REQUEST_HISTOGRAMS = [
