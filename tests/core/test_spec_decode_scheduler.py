@@ -104,3 +104,14 @@ def test_drafts_stay_within_max_tokens_max_model_len_and_the_budget() -> None:
     _reply(scheduler, out, {"near": [1, 2, 60]}, {"near": [9]})
     assert near.is_finished() and near.num_tokens == 32
     assert b.num_computed_tokens == 3
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted_for_them() -> None:
+    scheduler = make_scheduler(num_blocks=3, block_size=4)  # 2 usable blocks
+    for req_id, prompt in (("a", [1, 2, 3]), ("b", [5, 6, 7])):
+        scheduler.add_request(make_request(req_id, prompt, max_tokens=8, ignore_eos=True))
+    _reply(scheduler, scheduler.schedule(), {"a": [4], "b": [8]}, {"a": [9, 9]})
+    out = scheduler.schedule()  # a's drafts would need a third block
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert not out.scheduled_spec_decode_tokens and not out.preempted_req_ids
+    assert scheduler.make_stats().num_preemptions == 0

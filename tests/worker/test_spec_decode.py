@@ -105,3 +105,15 @@ def test_a_bad_speculative_config_is_refused_naming_the_fix() -> None:
     engine = EngineArgs(speculative_config={"num_speculative_tokens": 2}).create_engine_config()
     assert engine.speculative_config.num_speculative_tokens == 2
     assert not engine.scheduler_config.async_scheduling  # drafts come back with the step
+    pooling = EngineArgs(speculative_config={"num_speculative_tokens": 2}, runner="pooling")
+    with pytest.raises(ValueError, match="this engine pools"):
+        pooling.create_engine_config()
+
+
+def test_the_server_flag_takes_vllms_json() -> None:
+    from v1engine.serve import make_arg_parser
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    args = make_arg_parser().parse_args(["--speculative-config", flag])
+    config = EngineArgs.from_cli_args(args).create_engine_config().speculative_config
+    assert (config.num_speculative_tokens, config.prompt_lookup_min) == (4, 4)

@@ -16,11 +16,9 @@ behind; a long prompt is chunked across steps because the budget runs out (chunk
    computed (not for a request asking for prompt logprobs: it must compute every position).
    Skipped in a step that preempted: blocks just ran out.
 3. The `SchedulerOutput` (`scheduler_output.py`); the scheduled requests' `num_computed_tokens`
-   then advance at once, and each request that samples this step gains an output placeholder.
-
-`update_from_output()` turns a step's sampled tokens into outputs: it fills the placeholders,
-advances grammars and finishes requests; a prefill chunk that samples nothing sends an output
-only with prompt logprobs. A pooling engine's request finishes with its hidden state ("stop").
+   advance, and each request that samples this step gains an output placeholder, which
+   `update_from_output()` fills with the step's tokens (or a pooling engine's hidden state),
+   advancing grammars and finishing requests.
 
 The "priority" policy (vLLM's) keeps both queues in (priority, arrival time) order, lower first:
 the waiting head is the most urgent request (a preempted one goes back to its place), running
@@ -116,7 +114,7 @@ class Scheduler:
         """Puts `request` in its place in `queue`: by (priority, arrival) under the priority
         policy, else where `first_come` puts it (the back, or a preempted request's front)."""
         if self.by_priority:
-            bisect.insort(queue, request, key=_priority_key)
+            bisect.insort(queue, request, key=lambda r: (r.priority, r.arrival_time))
         else:
             first_come(request)
 
@@ -169,7 +167,9 @@ class Scheduler:
             # A running request always has a token to compute: the one its last step sampled
             # (known or still in flight), or the rest of a prompt being chunked in.
             assert num_new_tokens > 0, request
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            new_blocks, num_new_tokens = self._allocate_or_preempt(
+                request, num_new_tokens, min(num_known, num_new_tokens), plan
+            )
             if new_blocks is None:
                 return  # it preempted itself, and with it every request after it
             drafts = drafts_in_step(request, num_new_tokens, num_known)
@@ -187,18 +187,23 @@ class Scheduler:
         )
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: StepPlan
-    ) -> KVCacheBlocks | None:
+        self, request: Request, num_new_tokens: int, num_needed: int, plan: StepPlan
+    ) -> tuple[KVCacheBlocks | None, int]:
+        """Blocks for the request's new tokens, and how many it got: its drafts (the tokens past
+        `num_needed`) are dropped before anyone is preempted for them."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if new_blocks is not None:
-                return new_blocks
+                return new_blocks, num_new_tokens
+            if num_new_tokens > num_needed:
+                num_new_tokens = num_needed
+                continue
             # Requests before `request` in `running` are already scheduled this step; the
             # newest is at or after it, so preemption never undoes this step's decisions.
             victim = self.running.pop()
             self._preempt(victim, plan)
             if victim is request:
-                return None
+                return None, 0
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         assert request.request_id not in plan.num_scheduled_tokens
@@ -273,9 +278,9 @@ class Scheduler:
         logprobs = model_runner_output.logprobs_by_request()
         prompt_logprobs = model_runner_output.prompt_logprobs
         pooled = model_runner_output.pooler_output
-        verified = scheduler_output.scheduled_spec_decode_tokens
-        drafts = model_runner_output.spec_token_ids
-        drafts = {} if drafts is None else dict(zip(model_runner_output.req_ids, drafts))
+        verified, drafts = scheduler_output.scheduled_spec_decode_tokens, {}
+        if model_runner_output.spec_token_ids is not None:
+            drafts = dict(zip(model_runner_output.req_ids, model_runner_output.spec_token_ids))
         outputs, self.grammar_error_outputs = self.grammar_error_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -391,7 +396,3 @@ class Scheduler:
             **self.spec_decoding.stats(),
             **(adapter_counts(self.running, self.waiting) if self.max_loras else {}),
         )
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time

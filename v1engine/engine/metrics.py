@@ -87,12 +87,36 @@ class ServerMetrics:
         self._last_stats = SchedulerStats()
         self.lora_info: Gauge | None = None  # with LoRA (set_engine_info)
         self._add_gauges_and_counters()
+        self._add_spec_decode_counters()
         self._add_latency_histograms()
         self._add_count_histograms(build_1_2_5_buckets(max_model_len))
 
     def _labelled(self, kind: type, name: str, documentation: str, **kwargs: Any) -> Any:
         metric = kind(name, documentation, ["model_name"], registry=self.registry, **kwargs)
         return metric.labels(self.model_name)
+
+    def _add_spec_decode_counters(self) -> None:
+        add = self._labelled
+        self.spec_decode = [  # (counter, the SchedulerStats field it follows)
+            (add(Counter, name, help_text), field)
+            for name, help_text, field in (
+                (
+                    "vllm:spec_decode_num_drafts",
+                    "Number of spec decoding drafts.",
+                    "num_spec_drafts",
+                ),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Number of draft tokens.",
+                    "num_spec_draft_tokens",
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Number of accepted tokens.",
+                    "num_spec_accepted_tokens",
+                ),
+            )
+        ]
 
     def _add_gauges_and_counters(self) -> None:
         add = self._labelled
@@ -125,26 +149,6 @@ class ServerMetrics:
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
         )
-        self.spec_decode = [  # (counter, the SchedulerStats field it follows)
-            (add(Counter, name, help_text), field)
-            for name, help_text, field in (
-                (
-                    "vllm:spec_decode_num_drafts",
-                    "Number of spec decoding drafts.",
-                    "num_spec_drafts",
-                ),
-                (
-                    "vllm:spec_decode_num_draft_tokens",
-                    "Number of draft tokens.",
-                    "num_spec_draft_tokens",
-                ),
-                (
-                    "vllm:spec_decode_num_accepted_tokens",
-                    "Number of accepted tokens.",
-                    "num_spec_accepted_tokens",
-                ),
-            )
-        ]
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
