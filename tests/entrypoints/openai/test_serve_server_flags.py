@@ -7,8 +7,9 @@ names every request's logprob tokens by id, --enable-log-requests logs requests 
 takes each request's `priority`, --root-path serves behind a proxy's prefix,
 --disable-fastapi-docs serves no docs, --profiler-config serves /start_profile and /stop_profile,
 dev mode (V1ENGINE_SERVER_DEV_MODE=1) with --enable-sleep-mode serves /sleep, /wake_up,
-/is_sleeping, /reset_prefix_cache and /collective_rpc, and the periodic stats line (vLLM's "Avg
-prompt throughput: ...") reports the work done."""
+/is_sleeping, /reset_prefix_cache and /collective_rpc, the periodic stats line (vLLM's "Avg
+prompt throughput: ...") reports the work done, and --speculative-config streams the tokens a
+step accepts as plain decoding would, counted in vLLM's spec_decode metrics."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from tests.timeouts import scaled
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "hi"}]
 ORIGIN = "https://ui.example"
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,7 @@ def server(tiny_model, tmp_path_factory, traces):
     flags += ("--enable-log-requests", "--max-log-len", "10")
     flags += ("--allowed-origins", f'["{ORIGIN}"]', "--scheduling-policy", "priority")
     flags += ("--root-path", "/llm", "--disable-fastapi-docs", "--enable-sleep-mode")
+    flags += ("--speculative-config", json.dumps(SPECULATIVE))
     yield from serve_module(
         tiny_model,
         tmp_path_factory,
@@ -228,3 +231,25 @@ def test_the_priority_policy_takes_each_requests_priority(client):
             extra_body={"priority": 1, "use_beam_search": True},
         )
     assert info.value.body["param"] == "priority"
+
+
+def test_speculative_decoding_streams_what_it_accepts(server, client):
+    def spec_counts() -> list[float]:
+        text = httpx.get(server.url + "/metrics").text
+        names = ("num_draft_tokens", "num_accepted_tokens")
+        pattern = r'^vllm:spec_decode_{}_total{{model_name="tiny"}} (\S+)$'
+        return [float(re.search(pattern.format(n), text, re.M).group(1)) for n in names]
+
+    before = spec_counts()
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "one two three one two three one two three"}],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**request).choices[0].message.content
+    chunks = client.chat.completions.create(**request, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    drafted, accepted = (after - b for after, b in zip(spec_counts(), before))
+    assert drafted > accepted > 0
