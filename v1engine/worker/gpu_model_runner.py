@@ -170,15 +170,21 @@ class GPUModelRunner:
         )
         token_scale = sum(query_lens) / sum(run_lens)
         row_scale = len(query_lens) / len(run_lens)
+        # Speculative decoding: the LM head and the sampler read a row per draft too.
+        spec = self.speculative_config
+        rows = 1 if spec is None else min(1 + spec.num_speculative_tokens, min(run_lens))
         if after_stage is None:
-            self._dummy_run(run_lens)
+            self._dummy_run(run_lens, rows_per_request=rows)
         else:
-            self._dummy_run(run_lens, lambda: after_stage(token_scale))
+            self._dummy_run(run_lens, lambda: after_stage(token_scale), rows)
             after_stage(row_scale)
 
     @torch.inference_mode()
     def _dummy_run(
-        self, query_lens: list[int], after_forward: Callable[[], None] | None = None
+        self,
+        query_lens: list[int],
+        after_forward: Callable[[], None] | None = None,
+        rows_per_request: int = 1,
     ) -> None:
         inputs = build_dummy_model_inputs(
             query_lens, self.attn_backend, self.kv_cache_group_specs, self.device
@@ -186,10 +192,12 @@ class GPUModelRunner:
         hidden = self._forward(inputs, self._output_rows(inputs))  # as a real step's
         if after_forward is not None:
             after_forward()
-        logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
+        if rows_per_request > 1:
+            hidden = hidden.repeat_interleave(rows_per_request, dim=0)
+        logits = self.model.compute_logits(hidden)  # [num_reqs * rows_per_request, vocab]
         max_logprobs = self.config.model_config.max_logprobs
         sampling = dummy_sampling_metadata(
-            len(query_lens), self.vocab_size, max(query_lens), max_logprobs, self.device
+            len(hidden), self.vocab_size, max(query_lens), max_logprobs, self.device
         )
         self.sampler(logits, sampling)
 

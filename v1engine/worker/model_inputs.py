@@ -41,7 +41,8 @@ class ModelInputs:
     # [num_logits] int64: the flat index of each sampling request's last token (with drafts to
     # verify, of its last known token and each draft, in order).
     logits_indices: torch.Tensor
-    # Batch rows that sample this step, in row order (rows of logits_indices).
+    # Batch rows that sample this step, in row order (each has a row of logits_indices, and
+    # one more per draft it verifies).
     sampling_rows: list[int]
 
 
