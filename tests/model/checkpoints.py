@@ -9,7 +9,8 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
 layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
-mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope).
+mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), olmo2
+(q/k norms over whole projections, post-norms) and olmo3 (with sliding layers).
 Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
 meaningful check.
@@ -128,6 +129,17 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             attention_multiplier=0.015625,
             residual_multiplier=0.22,
             logits_scaling=2.0,
+        ),
+    ),
+    # OLMo 2's norms: each projection and each block's output; OLMo 3's sliding layers.
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
+    "olmo3": (
+        "Olmo3Config",
+        dict(
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=8,
         ),
     ),
     # Every fourth layer without RoPE (NoPE), as SmolLM3-3B's.

@@ -41,6 +41,8 @@ TP_CASES = {
     "qwen2_moe": {},
     "mixtral": {},
     "phi3": {},
+    "olmo2": {"num_key_value_heads": 1},  # the k norm's one head on both ranks
+    "olmo3": {},
 }
 
 

@@ -180,3 +180,25 @@ def _float32_of(
     # as_tensor, unlike from_numpy, honours the default device the model is being built under.
     values = function(x.astype(np.float64))
     return torch.as_tensor((values if scale == 1.0 else values * scale).astype(np.float32))
+
+
+class RotaryEmbeddingsByKind(nn.Module):
+    """One RoPE table per kind of layer (Gemma 3's and OLMo 3's "sliding_attention" and
+    "full_attention" layers, each kind with its `rope_parameters`), shared by the layers of that
+    kind; a step gathers each table's rows once."""
+
+    def __init__(self, hf_config: Any, head_size: int, layer_kinds: list[str]) -> None:
+        super().__init__()
+        positions = max_positions(hf_config)
+        self.tables = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(head_size, positions, get_rope_parameters(hf_config, kind))
+                for kind in sorted(set(layer_kinds))
+            }
+        )
+
+    def __getitem__(self, kind: str) -> RotaryEmbedding:
+        return self.tables[kind]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, CosSin]:
+        return {kind: rope.cos_sin(positions, dtype) for kind, rope in self.tables.items()}

@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from v1engine.model.hf_config import get_rope_parameters, max_positions
 from v1engine.model.layers.activation import GeluTanhAndMul
 from v1engine.model.layers.layernorm import GemmaRMSNorm
 from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
-from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
+from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding, RotaryEmbeddingsByKind
 from v1engine.model.models.llama import (
     DecoderModel,
     LlamaAttention,
@@ -100,13 +99,8 @@ class Gemma3Model(DecoderModel):
             )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
-        head_size, positions = get_head_size(config), max_positions(config)
-        # One cos/sin table per kind of layer, shared by its layers; each step gathers once.
-        self.rotary_embs = nn.ModuleDict(
-            {
-                kind: RotaryEmbedding(head_size, positions, get_rope_parameters(config, kind))
-                for kind in sorted(set(_layer_types(config)))
-            }
+        self.rotary_embs = RotaryEmbeddingsByKind(
+            config, get_head_size(config), _layer_types(config)
         )
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(
@@ -122,7 +116,7 @@ class Gemma3Model(DecoderModel):
         return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
 
     def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, CosSin]:
-        return {kind: rope.cos_sin(positions, dtype) for kind, rope in self.rotary_embs.items()}
+        return self.rotary_embs.cos_sin(positions, dtype)
 
 
 def _layer_types(config: Any) -> list[str]:

@@ -18,6 +18,8 @@ _MODELS = {
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
     "MixtralForCausalLM": "v1engine.model.models.mixtral:MixtralForCausalLM",
+    "Olmo2ForCausalLM": "v1engine.model.models.olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "v1engine.model.models.olmo2:Olmo3ForCausalLM",
     "Phi3ForCausalLM": "v1engine.model.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "v1engine.model.models.qwen2_moe:Qwen2MoeForCausalLM",
