@@ -31,6 +31,7 @@ from tests.worker.worker_utils import (
     worker_spin_count,
     worker_threads,
 )
+from v1engine.config import SpeculativeConfig
 from v1engine.core.kv_cache_utils import get_kv_cache_configs
 from v1engine.executor.multiproc_executor import MultiprocExecutor
 from v1engine.executor.uniproc_executor import UniProcExecutor
@@ -225,19 +226,22 @@ def test_cpu_profile_runs_a_smaller_step_and_scales_each_stage(hybrid_path):
         ran, scales = [], []
         dummy_run = runner._dummy_run
 
-        def recording_dummy_run(query_lens, after_forward=None):
-            ran.append(list(query_lens))
-            dummy_run(query_lens, after_forward)
+        def recording_dummy_run(query_lens, after_forward=None, rows_per_request=1):
+            ran.append((list(query_lens), rows_per_request))
+            dummy_run(query_lens, after_forward, rows_per_request)
 
         runner._dummy_run = recording_dummy_run
         runner.profile_run(128, scales.append)
         runner.profile_run(None, scales.append)
+        # Speculative decoding: the LM head and the sampler read a row per draft too.
+        runner.speculative_config = SpeculativeConfig(num_speculative_tokens=3)
+        runner.profile_run(128, scales.append)
         runner.max_model_len = 8  # no request of the smaller step may be longer
         runner.profile_run(32, scales.append)
     finally:
         executor.shutdown()
-    assert ran == [[16] * 8, [8] * 64, [8] * 4]
-    assert scales == [512 / 128, 64 / 8, 1.0, 1.0, 512 / 32, 64 / 4]
+    assert ran == [([16] * 8, 1), ([8] * 64, 1), ([16] * 8, 4), ([8] * 4, 4)]
+    assert scales == [512 / 128, 64 / 8, 1.0, 1.0, 512 / 128, 64 / 8, 512 / 32, 64 / 4]
 
 
 def test_bfloat16_kv_cache_with_float32_model(hybrid_path):
