@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from v1engine.entrypoints.openai.errors import APIError
@@ -28,6 +28,7 @@ from v1engine.entrypoints.openai.protocol_structured import (
 from v1engine.entrypoints.openai.serving_options import ServingOptions
 from v1engine.entrypoints.openai.structured import Constraint
 from v1engine.entrypoints.openai.tool_parser_mistral import MistralCallReader
+from v1engine.entrypoints.openai.tool_parser_qwen3_coder import Qwen3CoderCallReader, Schemas
 from v1engine.entrypoints.openai.tool_parsers import (
     CALL_IDS,
     TOOL_CALL_PARSERS,
@@ -57,6 +58,8 @@ class ToolMode:
     constraint: Constraint | None
     named: str | None = None
     parser: str | None = None
+    # "auto": each function's parameter schema, for the parsers that type values by it.
+    schemas: Schemas = field(default_factory=dict)
 
 
 def tool_mode(request: ChatCompletionRequest, options: ServingOptions) -> ToolMode | None:
@@ -73,11 +76,11 @@ def tool_mode(request: ChatCompletionRequest, options: ServingOptions) -> ToolMo
         return None
     if not request.tools:
         raise APIError(f"tool_choice {_describe(choice)} needs tools", param="tool_choice")
+    schemas = {t.function.name: t.function.parameters or _ANY_OBJECT for t in request.tools}
     if choice == "auto":
         if options.tool_call_parser is None:
             raise APIError(AUTO_NEEDS_PARSER, param="tool_choice")
-        return ToolMode(None, parser=options.tool_call_parser)
-    schemas = {t.function.name: t.function.parameters or _ANY_OBJECT for t in request.tools}
+        return ToolMode(None, parser=options.tool_call_parser, schemas=schemas)
     whitespace = {"disable_any_whitespace": options.disable_any_whitespace}
     if choice == "required":
         schema = _required_schema(schemas, request.parallel_tool_calls)
@@ -118,7 +121,7 @@ def parse_tool_calls(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCa
     content. A forced call cut by max_tokens keeps the arguments written so far, as OpenAI
     returns them."""
     if mode.parser is not None:
-        content, calls = TOOL_CALL_PARSERS[mode.parser](text)
+        content, calls = TOOL_CALL_PARSERS[mode.parser](text, mode.schemas)
         if not calls:
             return None
         call_id = CALL_IDS.get(mode.parser, new_call_id)
@@ -145,7 +148,7 @@ class ToolCallStream:
         self._reader: CallReader = (
             ForcedCallReader(mode.named)
             if mode.parser is None
-            else _STREAMED_READERS[mode.parser]()
+            else _STREAMED_READERS[mode.parser](mode.schemas)
         )
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
@@ -178,16 +181,22 @@ class ToolCallStream:
 # What reads a reply's calls while it is written: `feed(delta)` returns the new pieces and
 # `calls` the calls so far (forced_calls.ForcedCallReader, or a parser's reader).
 CallReader = (
-    ForcedCallReader | HermesCallReader | LeadingCallReader | MistralCallReader | PythonicCallReader
+    ForcedCallReader
+    | HermesCallReader
+    | LeadingCallReader
+    | MistralCallReader
+    | PythonicCallReader
+    | Qwen3CoderCallReader
 )
 # Each parser's reader.
-_STREAMED_READERS: dict[str, Callable[[], CallReader]] = {
-    "granite": GraniteCallReader,
-    "hermes": HermesCallReader,
-    "llama3_json": Llama3JsonCallReader,
-    "mistral": MistralCallReader,
-    "phi4_mini_json": Phi4MiniJsonCallReader,
-    "pythonic": PythonicCallReader,
+_STREAMED_READERS: dict[str, Callable[[Schemas], CallReader]] = {
+    "granite": lambda _: GraniteCallReader(),
+    "hermes": lambda _: HermesCallReader(),
+    "llama3_json": lambda _: Llama3JsonCallReader(),
+    "mistral": lambda _: MistralCallReader(),
+    "phi4_mini_json": lambda _: Phi4MiniJsonCallReader(),
+    "pythonic": lambda _: PythonicCallReader(),
+    "qwen3_coder": Qwen3CoderCallReader,  # types the values by the request's schemas
 }
 
 

@@ -16,6 +16,8 @@ no calls where the text does not hold well-formed ones (it then stays content, a
 - mistral (Mistral 7B Instruct v0.3, Mistral Small, Devstral, ...): calls after the
   `[TOOL_CALLS]` special token (tool_parser_mistral.py).
 
+- qwen3_coder (Qwen3-Coder): XML-like calls typed by the request's tool schemas, which only
+  this parser reads (tool_parser_qwen3_coder.py).
 - granite (Granite 3.x): the whole reply is `<|tool_call|>` (or `<tool_call>`, or nothing) and
   a JSON array of `{"name", "arguments"}` objects; `<|tool_call|>` is a special token, so such
   requests keep special tokens. phi4_mini_json (Phi-4-mini): the same array after `functools`.
@@ -45,6 +47,7 @@ from v1engine.entrypoints.openai.tool_parser_mistral import (
     mistral_call_id,
     parse_mistral,
 )
+from v1engine.entrypoints.openai.tool_parser_qwen3_coder import Schemas, parse_qwen3_coder
 
 Calls = list[tuple[str, str]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -168,7 +171,7 @@ def _skip_separator(body: str, position: int) -> int | None:
 
 # Where each parser's calls can begin, for streaming: at a marker anywhere (the content before
 # it streams), or only at the reply's start (a reply that starts otherwise is all content).
-_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": MISTRAL_MARKER}
+_CALL_MARKERS = {"hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "mistral": MISTRAL_MARKER}
 # The parsers whose marker is a special token: their requests keep special tokens in the text.
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "granite"})
 _GRANITE_TAGS = ("<|tool_call|>", "<tool_call>")
@@ -373,11 +376,20 @@ class PythonicCallReader:
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}
 
 
-TOOL_CALL_PARSERS: dict[str, Callable[[str], tuple[str | None, Calls]]] = {
-    "granite": parse_granite,
-    "hermes": parse_hermes,
-    "llama3_json": parse_llama3_json,
-    "mistral": parse_mistral,
-    "phi4_mini_json": parse_phi4_mini_json,
-    "pythonic": parse_pythonic,
+# (reply, the request's tool schemas) -> (content or None, calls).
+ToolCallParser = Callable[[str, Schemas], tuple[str | None, Calls]]
+
+
+def _untyped(parse: Callable[[str], tuple[str | None, Calls]]) -> ToolCallParser:
+    return lambda text, _schemas: parse(text)
+
+
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
+    "granite": _untyped(parse_granite),
+    "hermes": _untyped(parse_hermes),
+    "llama3_json": _untyped(parse_llama3_json),
+    "mistral": _untyped(parse_mistral),
+    "phi4_mini_json": _untyped(parse_phi4_mini_json),
+    "pythonic": _untyped(parse_pythonic),
+    "qwen3_coder": parse_qwen3_coder,
 }
