@@ -26,6 +26,7 @@ PROPERTIES = {
     "tags": {"type": "array"},
     "options": {"type": "object"},
     "limit": {"type": ["integer", "null"]},
+    "count": {"type": "integer"},
 }
 SCHEMAS = {"weather": {"type": "object", "properties": PROPERTIES}, "now": {"type": "object"}}
 TOOLS = [
@@ -49,6 +50,7 @@ TYPED_CALL = _call(
     tags="['a', 1]",
     options='{"x": [1, null]}',
     limit="null",
+    count="007",
     unit="C",
 )
 
@@ -77,6 +79,7 @@ TYPED_CALL = _call(
                         "tags": ["a", 1],
                         "options": {"x": [1, None]},
                         "limit": None,
+                        "count": 7,  # an integer, where JSON would not read "007"
                         "unit": "C",
                     },
                 )
@@ -140,7 +143,7 @@ def test_a_readers_calls_do_not_depend_on_how_the_reply_is_cut():
                 arguments.setdefault(index, []).append(piece)
         assert [(call.name, call.arguments) for call in reader.calls] == expected
         assert ["".join(arguments[i]) for i in range(2)] == [a for _, a in expected]
-        assert len([p for p in arguments[0] if p]) == 9  # 8 parameters, then "}"
+        assert len([p for p in arguments[0] if p]) == 10  # 9 parameters, then "}"
 
 
 @pytest.mark.parametrize("stream", [False, True])
