@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from v1engine.config import CacheConfig, SchedulerConfig
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from v1engine.core.scheduler_output import StepPlan, build_scheduler_output
-from v1engine.core.spec_decode import SpecDecoding, drafts_in_step
+from v1engine.core.spec_decode import SpecDecoding
 from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.kv_cache_interface import KVCacheConfig
 from v1engine.logger import init_logger
@@ -172,7 +172,8 @@ class Scheduler:
             )
             if new_blocks is None:
                 return  # it preempted itself, and with it every request after it
-            drafts = drafts_in_step(request, num_new_tokens, num_known)
+            # The drafts it carries, as many as the budget and the pool left room for.
+            drafts = request.spec_token_ids[: max(0, num_new_tokens - num_known)]
             plan.add(request, num_new_tokens, new_blocks, drafts)
             index += 1
 
@@ -393,6 +394,6 @@ class Scheduler:
             num_prefix_cache_query_tokens=prefix_stats.num_query_tokens,
             num_prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_preemptions=self.num_preemptions,
-            **self.spec_decoding.stats(),
+            **(self.spec_decoding.stats() if self.spec_decoding.num_drafts else {}),
             **(adapter_counts(self.running, self.waiting) if self.max_loras else {}),
         )

@@ -14,12 +14,6 @@ from __future__ import annotations
 from v1engine.request import Request, RequestStatus
 
 
-def drafts_in_step(request: Request, num_new_tokens: int, num_known: int) -> list[int]:
-    """The drafts a step of `num_new_tokens` tokens carries after the request's `num_known`
-    tokens still to compute: as many as the token budget left room for."""
-    return request.spec_token_ids[: max(0, num_new_tokens - num_known)]
-
-
 class SpecDecoding:
     """The scheduler's drafts: what a step verified, what comes next; and cumulative counts for
     its stats (vLLM's spec_decode metrics)."""
