@@ -9,7 +9,8 @@ Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it)
 qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
 layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
-mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), olmo2
+mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), gpt2
+(learned positions, LayerNorm, Conv1D weights), olmo2
 (q/k norms over whole projections, post-norms) and olmo3 (with sliding layers).
 Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
@@ -131,6 +132,12 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=2.0,
         ),
     ),
+    # GPT-2's learned positions, LayerNorms, biases and Conv1D weights (multi-head: as many
+    # KV heads as heads).
+    "gpt2": (
+        "GPT2Config",
+        dict(num_key_value_heads=4, n_inner=128, activation_function="gelu_new"),
+    ),
     # OLMo 2's norms: each projection and each block's output; OLMo 3's sliding layers.
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
     "olmo3": (
@@ -179,7 +186,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
+            if "norm" in name or (".ln_" in name and name.endswith(".weight")):  # GPT-2's
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(0.1 * noise)

@@ -43,6 +43,7 @@ TP_CASES = {
     "phi3": {},
     "olmo2": {"num_key_value_heads": 1},  # the k norm's one head on both ranks
     "olmo3": {},
+    "gpt2": {},
 }
 
 

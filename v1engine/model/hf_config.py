@@ -103,7 +103,8 @@ def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
         raw = f.read()
     version = importlib.metadata.version("transformers")
     trust = b"\0trust_remote_code" if trust_remote_code else b""
-    key = hashlib.sha256(raw + b"\0" + version.encode() + trust).hexdigest()[:32]
+    # v2: with the attribute_map aliases.
+    key = hashlib.sha256(raw + b"\0v2\0" + version.encode() + trust).hexdigest()[:32]
     cache_file = os.path.join(os.path.expanduser(DEFAULT_CACHE_DIR), "hf_configs", f"{key}.json")
     try:
         with open(cache_file) as f:
@@ -122,6 +123,10 @@ def _config_dict(path: str, trust_remote_code: bool) -> dict[str, Any]:
     values = json.loads(hf_config.to_json_string(use_diff=False))
     # Private keys (the path it was read from) would be stale for the next directory.
     values = {name: value for name, value in values.items() if not name.startswith("_")}
+    # The standard names a config class maps to its own (GPT-2's hidden_size is n_embd).
+    for alias, name in getattr(hf_config, "attribute_map", {}).items():
+        if name in values:
+            values.setdefault(alias, values[name])
     write_atomically(cache_file, json.dumps(values))
     return values
 

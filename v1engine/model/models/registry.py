@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 _MODELS = {
     "Gemma3ForCausalLM": "v1engine.model.models.gemma3:Gemma3ForCausalLM",
+    "GPT2LMHeadModel": "v1engine.model.models.gpt2:GPT2LMHeadModel",
     "GraniteForCausalLM": "v1engine.model.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
