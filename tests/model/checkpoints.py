@@ -10,7 +10,8 @@ qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter th
 prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
 layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
 mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), gpt2
-(learned positions, LayerNorm, Conv1D weights), olmo2
+(learned positions, LayerNorm, Conv1D weights), gpt_neox and gpt_neox_chained (Pythia's partial
+RoPE, parallel or chained residual), olmo2
 (q/k norms over whole projections, post-norms) and olmo3 (with sliding layers).
 Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
@@ -138,6 +139,16 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "GPT2Config",
         dict(num_key_value_heads=4, n_inner=128, activation_function="gelu_new"),
     ),
+    # Pythia's shape: a quarter of each head rotated, parallel residual, per-head fused qkv;
+    # and the chained variant.
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=False, layer_norm_eps=1e-5),
+    ),
+    "gpt_neox_chained": (
+        "GPTNeoXConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=False, use_parallel_residual=False),
+    ),
     # OLMo 2's norms: each projection and each block's output; OLMo 3's sliding layers.
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),
     "olmo3": (
@@ -186,7 +197,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name or (".ln_" in name and name.endswith(".weight")):  # GPT-2's
+            # Norm scales near 1 (GPT-2's LayerNorms are ln_*), their biases as any.
+            if ("norm" in name or ".ln_" in name) and not name.endswith(".bias"):
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(0.1 * noise)

@@ -44,6 +44,7 @@ TP_CASES = {
     "olmo2": {"num_key_value_heads": 1},  # the k norm's one head on both ranks
     "olmo3": {},
     "gpt2": {},
+    "gpt_neox": {},
 }
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 _MODELS = {
     "Gemma3ForCausalLM": "v1engine.model.models.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": "v1engine.model.models.gpt2:GPT2LMHeadModel",
+    "GPTNeoXForCausalLM": "v1engine.model.models.gpt_neox:GPTNeoXForCausalLM",
     "GraniteForCausalLM": "v1engine.model.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "v1engine.model.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "v1engine.model.models.mistral:MistralForCausalLM",
