@@ -112,3 +112,24 @@ def test_tensor_parallel_2_verifies_on_every_rank(plain: LLM, llama_checkpoint: 
     with make_llm(llama_checkpoint, speculative_config=SPEC, tensor_parallel_size=2) as llm:
         assert token_ids(llm.generate(LOOPING, GREEDY, use_tqdm=False)) == expected
         assert _spec_stats(llm)[1] > 0
+
+
+def test_stops_inside_accepted_drafts_end_the_output_where_plain_decoding_does(
+    plain: LLM, spec: LLM
+) -> None:
+    """A stop token or max_tokens reached among a step's accepted drafts ends the output there,
+    and the tokens after it are dropped; n=2 children speculate alike."""
+    loop = LOOPING[-1]
+    free = token_ids(plain.generate([loop], GREEDY, use_tqdm=False))[0]
+    stop_at = free[20]  # a token the loop repeats: drafts are accepted around it
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_at]),
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True, n=2),
+    ]
+    expected = plain.generate([loop, loop], params, use_tqdm=False)
+    got = spec.generate([loop, loop], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in expected
+    ]
+    assert got[0].outputs[0].finish_reason == "stop" and got[0].outputs[0].token_ids[-1] == stop_at
+    assert [len(c.token_ids) for c in got[1].outputs] == [13, 13]
