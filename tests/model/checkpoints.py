@@ -11,7 +11,7 @@ prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu)
 layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
 mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), gpt2
 (learned positions, LayerNorm, Conv1D weights), gpt_neox and gpt_neox_chained (Pythia's partial
-RoPE, parallel or chained residual), olmo2
+RoPE, parallel or chained residual), phi (Phi-2's parallel blocks, biased LM head), olmo2
 (q/k norms over whole projections, post-norms) and olmo3 (with sliding layers).
 Weights are drawn
 with a larger spread than HF's init so logits are far from ties and greedy decoding is a
@@ -148,6 +148,12 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt_neox_chained": (
         "GPTNeoXConfig",
         dict(num_key_value_heads=4, tie_word_embeddings=False, use_parallel_residual=False),
+    ),
+    # Phi-2's parallel blocks, partial RoPE and biased LM head; GQA and per-head q/k LayerNorms
+    # (which Phi-2 has not) to cover them.
+    "phi": (
+        "PhiConfig",
+        dict(tie_word_embeddings=False, qk_layernorm=True, hidden_act="gelu_new"),
     ),
     # OLMo 2's norms: each projection and each block's output; OLMo 3's sliding layers.
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),

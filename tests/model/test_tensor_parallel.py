@@ -45,6 +45,7 @@ TP_CASES = {
     "olmo3": {},
     "gpt2": {},
     "gpt_neox": {},
+    "phi": {},
 }
 
 

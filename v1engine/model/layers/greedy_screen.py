@@ -74,9 +74,12 @@ class GreedyScreen:
     @classmethod
     def for_model(cls, model: nn.Module) -> GreedyScreen | None:
         """The screen for `model.lm_head`, or None where it would not save memory traffic: on
-        GPU, in bfloat16, without our CPU kernels, or with the vocabulary split over ranks."""
+        GPU, in bfloat16, without our CPU kernels, or with the vocabulary split over ranks; or
+        where the head adds a bias."""
         head = getattr(model, "lm_head", None)
         if not isinstance(head, ParallelLMHead) or get_tp_world_size() != 1:
+            return None
+        if getattr(head, "bias", None) is not None:  # Phi-2's: the screen reads no bias
             return None
         weight = head.weight[: head.num_embeddings]
         if weight.dtype != torch.float32 or not cpu_kernels.cpu_inputs(weight):

@@ -23,6 +23,7 @@ _MODELS = {
     "Olmo2ForCausalLM": "v1engine.model.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "v1engine.model.models.olmo2:Olmo3ForCausalLM",
     "Phi3ForCausalLM": "v1engine.model.models.phi3:Phi3ForCausalLM",
+    "PhiForCausalLM": "v1engine.model.models.phi:PhiForCausalLM",
     "Qwen2ForCausalLM": "v1engine.model.models.qwen2:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "v1engine.model.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
