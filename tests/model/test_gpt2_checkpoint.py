@@ -32,5 +32,5 @@ def test_unprefixed_names_and_mask_buffers_load_the_same_model(tmp_path):
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[name], expected[name]) for name in expected)
     # The Conv1D weights were transposed: q of layer 0 is c_attn's first columns.
-    q = got["model.h.0.attn.c_attn.weight"][:64]
+    q = got["model.layers.0.attn.fused_qkv.weight"][:64]
     assert torch.equal(q, tensors["transformer.h.0.attn.c_attn.weight"][:, :64].t())

@@ -12,7 +12,6 @@ the causal-mask buffers some checkpoints carry (`attn.bias`, `attn.masked_bias`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,46 +25,92 @@ from v1engine.model.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, MakeMLP
-from v1engine.model.weight_utils import WeightSource, materialize, narrow_weight
+from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
+from v1engine.model.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    MakeMLP,
+    PlainDecoderModel,
+)
+from v1engine.model.weight_utils import (
+    WeightSource,
+    default_weight_loader,
+    materialize,
+    model_param_name,
+    narrow_weight,
+)
 
-_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
-# Conv1D weights in a GPT-2 checkpoint: stored [in, out].
-_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+# Conv1D weights in a GPT-2 checkpoint, stored [in, out], by the model's names.
+_CONV1D = (
+    ".attn.fused_qkv.weight",
+    ".attn.out_proj.weight",
+    ".mlp.fc1.weight",
+    ".mlp.fc2.weight",
+)
+# The model's own names for HF's top-level modules, and for the projections in a block.
+_RENAMES = {"wte.": "embed_tokens.", "wpe.": "embed_positions.", "h.": "layers.", "ln_f.": "norm."}
+_INNER_RENAMES = (
+    (".attn.c_attn.", ".attn.fused_qkv."),
+    (".attn.c_proj.", ".attn.out_proj."),
+    (".mlp.c_fc.", ".mlp.fc1."),
+    (".mlp.c_proj.", ".mlp.fc2."),
+)
 
 
-class GPT2Attention(nn.Module):
-    def __init__(self, config: Any, prefix: str) -> None:
+class FusedMultiHeadAttention(nn.Module):
+    """Multi-head attention from one fused q/k/v projection and an output projection, both
+    biased (or not: `bias`), with RoPE where the model has it (GPT-NeoX) or none (GPT-2)."""
+
+    def __init__(
+        self, config: Any, prefix: str, rotary_emb: RotaryEmbedding | None, bias: bool = True
+    ) -> None:
         super().__init__()
         size, num_heads = config.hidden_size, config.num_attention_heads
         self.head_size = size // num_heads
-        self.c_attn = QKVParallelLinear(size, self.head_size, num_heads, num_heads, bias=True)
-        self.c_proj = RowParallelLinear(size, size, bias=True)
-        self.num_heads = self.c_attn.num_heads
-        self.q_size = self.c_attn.q_size
+        self.fused_qkv = QKVParallelLinear(size, self.head_size, num_heads, num_heads, bias)
+        self.out_proj = RowParallelLinear(size, size, bias)
+        self.q_size = self.fused_qkv.q_size
+        self.rotary_emb = rotary_emb
+        num_local_heads = self.fused_qkv.num_heads
         self.attn = Attention(
-            self.num_heads,
+            num_local_heads,
             self.head_size,
             self.head_size**-0.5,
-            self.num_heads,
+            num_local_heads,
             layer_name=f"{prefix}.attn",
         )
 
-    def forward(self, hidden: torch.Tensor, output_rows: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).split([self.q_size] * 3, dim=-1)
+    def forward(
+        self, cos_sin: CosSin | None, hidden: torch.Tensor, output_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.fused_qkv(hidden).split([self.q_size] * 3, dim=-1)
+        if self.rotary_emb is not None:
+            q, k = (x.view(num_tokens, -1, self.head_size) for x in (q, k))
+            q, k = self.rotary_emb(cos_sin, q, k)
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         out = self.attn(q, k, v)
-        return self.c_proj(out if output_rows is None else out[output_rows])
+        return self.out_proj(out if output_rows is None else out[output_rows])
 
 
-class GPT2MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+# hidden_act -> torch's gelu approximation, for the plain MLPs of this family.
+GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+class GeluMLP(nn.Module):
+    """fc2(gelu(fc1(x))), both biased: GPT-2's, GPT-NeoX's and Phi's MLP (their checkpoints'
+    names for fc1 and fc2 are mapped to these as they load)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
-        inner = config.n_inner or 4 * config.hidden_size
-        self.c_fc = ColumnParallelLinear(config.hidden_size, inner, bias=True)
-        self.c_proj = RowParallelLinear(inner, config.hidden_size, bias=True)
+        if hidden_act not in GELUS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported; only {tuple(GELUS)}")
+        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True)
+        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True)
+        self.approximate = GELUS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 
 class GPT2Block(nn.Module):
@@ -73,84 +118,62 @@ class GPT2Block(nn.Module):
         super().__init__()
         size, eps = config.hidden_size, config.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(size, eps)
-        self.attn = GPT2Attention(config, f"{prefix}.attn")
+        self.attn = FusedMultiHeadAttention(config, f"{prefix}.attn", rotary_emb=None)
         self.ln_2 = nn.LayerNorm(size, eps)
-        self.mlp = GPT2MLP(config)
+        inner = config.n_inner or 4 * config.hidden_size
+        self.mlp = GeluMLP(config.hidden_size, inner, config.activation_function)
 
     def forward(
-        self, hidden: torch.Tensor, output_rows: torch.Tensor | None = None
+        self, cos_sin: None, hidden: torch.Tensor, output_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Past the attention, only `output_rows` of the tokens (all when None)."""
+        """Past the attention, only `output_rows` of the tokens (all when None); no RoPE."""
         residual = hidden if output_rows is None else hidden[output_rows]
-        hidden = residual + self.attn(self.ln_1(hidden), output_rows)
+        hidden = residual + self.attn(None, self.ln_1(hidden), output_rows)
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(PlainDecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
-        if config.activation_function not in _ACTIVATIONS:
-            raise ValueError(
-                f"activation_function {config.activation_function!r} is not supported for "
-                f"GPT-2; only {_ACTIVATIONS} are"
-            )
         for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if getattr(config, name, False):
                 raise ValueError(f"GPT-2's {name} is not supported")
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(
             GPT2Block(config, f"transformer.h.{i}") for i in range(config.num_hidden_layers)
         )
-        self.ln_f = nn.LayerNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_epsilon)
 
-    @property
-    def embed_tokens(self) -> VocabParallelEmbedding:
-        """The token embeddings, which the LM head is tied to."""
-        return self.wte
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The final hidden states of `output_rows` of the tokens (all when None); the last
-        block's rows that the LM head will not read stop after their K/V are written."""
-        hidden = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h[:-1]:
-            hidden = block(hidden)
-        return self.ln_f(self.h[-1](hidden, output_rows))
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
 
 class GPT2LMHeadModel(LlamaForCausalLM):
     model_cls = GPT2Model
 
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """As LlamaForCausalLM's, for HF's GPT-2 names (see the module docstring); returns
-        the names as the model holds them (`model.*`)."""
-        return super().load_weights(self._renamed(weights))
-
-    @staticmethod
-    def _renamed(weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, Any]]:
-        for name, loaded in weights:
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # a causal-mask buffer, not a weight
-            if name != "lm_head.weight":
-                name = "model." + name.removeprefix("transformer.")
-            if name.endswith(_CONV1D):
-                loaded = materialize(loaded).t()
-            yield name, loaded
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            return None  # a causal-mask buffer, not a weight
+        if name == "lm_head.weight":
+            return name
+        name = model_param_name(name.removeprefix("transformer."), _RENAMES)
+        for theirs, ours in _INNER_RENAMES:
+            name = name.replace(theirs, ours)
+        return name
 
     def load_special_weight(self, name: str, loaded: WeightSource) -> bool:
-        """`c_attn`'s weight and bias hold q, k and v one after another."""
-        if not name.endswith((".attn.c_attn.weight", ".attn.c_attn.bias")):
+        """The Conv1D weights, transposed; `c_attn`'s weight and bias hold q, k and v one after
+        another."""
+        if not name.endswith((*_CONV1D, ".attn.fused_qkv.bias")):
             return False
         param = self.get_parameter(name)
+        if name.endswith(_CONV1D):
+            loaded = materialize(loaded).t()
+        if ".attn.fused_qkv." not in name:
+            getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+            return True
         size = self.config.hidden_size
         for i, shard_id in enumerate("qkv"):
             param.weight_loader(param, narrow_weight(loaded, 0, i * size, size), shard_id)
         return True
-
-    def expected_checkpoint_names(self) -> list[str]:
-        return [name for name, _ in self.named_parameters()]  # as the model holds them

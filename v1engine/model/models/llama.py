@@ -251,6 +251,33 @@ class DecoderModel(nn.Module):
         return hidden_states
 
 
+class PlainDecoderModel(nn.Module):
+    """The forward of decoders whose layers add their own residuals (GPT-2, GPT-NeoX, Phi): the
+    embeddings, each `layer(cos_sin, hidden[, output_rows]) -> hidden`, the final norm.
+    Subclasses build `embed_tokens`, `layers` and `norm`, and say how a step embeds (learned
+    positions too) and gathers its RoPE rows (None without RoPE)."""
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin | None:
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of `output_rows` of the tokens (all when None)."""
+        hidden_states = self.embed(input_ids, positions)
+        cos_sin = self.step_cos_sin(positions, hidden_states.dtype)
+        for layer in self.layers[:-1]:
+            hidden_states = layer(cos_sin, hidden_states)
+        # As DecoderModel's: the last layer's rows the LM head will not read stop at their K/V.
+        return self.norm(self.layers[-1](cos_sin, hidden_states, output_rows))
+
+
 class LlamaModel(DecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
@@ -316,8 +343,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
         """Loads checkpoint tensors (HF names) into this rank's shards, in place: the whole
         checkpoint at start-up, or any part of it later (an RL trainer's new weights, as in
-        vLLM's recipe). Returns the names it loaded; `weights_version` counts the calls, so the
-        model runner knows to refresh the copies it derives from the weights.
+        vLLM's recipe). Returns the names it loaded (as `checkpoint_name` spells them);
+        `weights_version` counts the calls, so the runner refreshes what it derives from them.
 
         Raises:
             ValueError: a checkpoint tensor has no parameter here, or the wrong shape.
@@ -325,7 +352,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded_names = set()
         for name, loaded in weights:
-            if "rotary_emb.inv_freq" in name:
+            name = self.checkpoint_name(name)
+            if name is None or "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding already holds it
@@ -344,6 +372,11 @@ class LlamaForCausalLM(nn.Module):
             loaded_names.add(name)
         self.weights_version += 1
         return loaded_names
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as this model's parameters spell it (GPT-2's and others'
+        differ from Llama's); None for a tensor that is not a weight (a stored buffer)."""
+        return name
 
     def load_special_weight(self, name: str, loaded: WeightSource) -> bool:
         """Loads a checkpoint tensor that has no parameter of its own name (an MoE expert's

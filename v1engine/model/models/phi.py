@@ -9,26 +9,23 @@ LayerNorm; an LM head with a bias, which keeps greedy steps off the greedy scree
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from v1engine.model.layers.linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
+from v1engine.model.models.gpt2 import GeluMLP
 from v1engine.model.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     MakeMLP,
+    PlainDecoderModel,
     get_head_size,
 )
-from v1engine.model.weight_utils import WeightSource
 
 
 class PhiAttention(LlamaAttention):
@@ -41,18 +38,6 @@ class PhiAttention(LlamaAttention):
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
         return True, True
-
-
-class PhiMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        if config.hidden_act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for Phi")
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class PhiDecoderLayer(nn.Module):
@@ -75,7 +60,7 @@ class PhiDecoderLayer(nn.Module):
         return attn + self.mlp(normed) + hidden  # HF's order of the sum
 
 
-class PhiModel(nn.Module):
+class PhiModel(PlainDecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -84,24 +69,15 @@ class PhiModel(nn.Module):
             PhiDecoderLayer(config, i, self.rotary_emb, f"model.layers.{i}", make_mlp(config, i))
             for i in range(config.num_hidden_layers)
         )
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The final hidden states of `output_rows` of the tokens (all when None)."""
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers[:-1]:
-            hidden = layer(cos_sin, hidden)
-        return self.final_layernorm(self.layers[-1](cos_sin, hidden, output_rows))
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
+        return self.rotary_emb.cos_sin(positions, dtype)
 
 
 # Checkpoint names -> ours (q_proj, k_proj and v_proj load into qkv_proj as Llama's do).
 _RENAMES = (
+    ("model.final_layernorm.", "model.norm."),
     (".self_attn.dense.", ".self_attn.o_proj."),
     (".self_attn.q_layernorm.", ".self_attn.q_norm."),
     (".self_attn.k_layernorm.", ".self_attn.k_norm."),
@@ -113,7 +89,7 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
-        return PhiMLP(config)
+        return GeluMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def __init__(
         self, hf_config: Any, dtype: torch.dtype = torch.float32, has_lm_head: bool = True
@@ -127,13 +103,7 @@ class PhiForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states) + self.lm_head.bias.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """As LlamaForCausalLM's, for Phi's names; returns the names as the model holds them."""
-        return super().load_weights(self._renamed(weights))
-
-    @staticmethod
-    def _renamed(weights: Iterable[tuple[str, WeightSource]]) -> Iterator[tuple[str, Any]]:
-        for name, loaded in weights:
-            for theirs, ours in _RENAMES:
-                name = name.replace(theirs, ours)
-            yield name, loaded
+    def checkpoint_name(self, name: str) -> str | None:
+        for theirs, ours in _RENAMES:
+            name = name.replace(theirs, ours)
+        return name
