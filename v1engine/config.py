@@ -295,7 +295,7 @@ class ProfilerConfig:
 
 
 # vLLM's `speculative_config["method"]`s this engine has: n-gram prompt lookup (the drafts are
-# the tokens that followed the last earlier occurrence of the sequence's ending, no draft model).
+# the tokens that followed the earliest earlier occurrence of the sequence's ending; no model).
 SPECULATIVE_METHODS = ("ngram",)
 
 
