@@ -76,11 +76,3 @@ class _NarrowedSlice:
 
     def read(self) -> torch.Tensor:
         return self.base[self.index]
-
-
-def model_param_name(name: str, renames: dict[str, str]) -> str:
-    """The parameter name of a checkpoint tensor named relative to its base model (GPT-2's
-    `h.0.attn.c_attn.weight`): `model.` and the name, its top-level module renamed by `renames`
-    (the checkpoint's names -> the model's, e.g. `{"h.": "layers."}`)."""
-    head = next((theirs for theirs in renames if name.startswith(theirs)), None)
-    return "model." + (name if head is None else renames[head] + name[len(head) :])

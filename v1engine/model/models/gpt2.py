@@ -26,17 +26,11 @@ from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
-from v1engine.model.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    MakeMLP,
-    PlainDecoderModel,
-)
+from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, MakeMLP
 from v1engine.model.weight_utils import (
     WeightSource,
     default_weight_loader,
     materialize,
-    model_param_name,
     narrow_weight,
 )
 
@@ -47,9 +41,12 @@ _CONV1D = (
     ".mlp.fc1.weight",
     ".mlp.fc2.weight",
 )
-# The model's own names for HF's top-level modules, and for the projections in a block.
-_RENAMES = {"wte.": "embed_tokens.", "wpe.": "embed_positions.", "h.": "layers.", "ln_f.": "norm."}
-_INNER_RENAMES = (
+# Checkpoint names (all made `transformer.*` first) -> the model's.
+_RENAMES = (
+    ("transformer.wte.", "model.embed_tokens."),
+    ("transformer.wpe.", "model.embed_positions."),
+    ("transformer.h.", "model.layers."),
+    ("transformer.ln_f.", "model.norm."),
     (".attn.c_attn.", ".attn.fused_qkv."),
     (".attn.c_proj.", ".attn.out_proj."),
     (".mlp.c_fc.", ".mlp.fc1."),
@@ -132,6 +129,33 @@ class GPT2Block(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
 
+class PlainDecoderModel(nn.Module):
+    """The forward of decoders whose layers add their own residuals (GPT-2, GPT-NeoX, Phi): the
+    embeddings, each `layer(cos_sin, hidden[, output_rows]) -> hidden`, the final norm.
+    Subclasses build `embed_tokens`, `layers` and `norm`, and say how a step embeds (learned
+    positions too) and gathers its RoPE rows (None without RoPE)."""
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin | None:
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states of `output_rows` of the tokens (all when None)."""
+        hidden_states = self.embed(input_ids, positions)
+        cos_sin = self.step_cos_sin(positions, hidden_states.dtype)
+        for layer in self.layers[:-1]:
+            hidden_states = layer(cos_sin, hidden_states)
+        # As DecoderModel's: the last layer's rows the LM head will not read stop at their K/V.
+        return self.norm(self.layers[-1](cos_sin, hidden_states, output_rows))
+
+
 class GPT2Model(PlainDecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
@@ -152,15 +176,14 @@ class GPT2Model(PlainDecoderModel):
 class GPT2LMHeadModel(LlamaForCausalLM):
     model_cls = GPT2Model
 
+    checkpoint_skips = (".attn.bias", ".attn.masked_bias")  # causal masks
+    checkpoint_renames = _RENAMES
+
     def checkpoint_name(self, name: str) -> str | None:
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            return None  # a causal-mask buffer, not a weight
-        if name == "lm_head.weight":
-            return name
-        name = model_param_name(name.removeprefix("transformer."), _RENAMES)
-        for theirs, ours in _INNER_RENAMES:
-            name = name.replace(theirs, ours)
-        return name
+        """The original `gpt2` upload names its tensors without `transformer.`."""
+        if name != "lm_head.weight" and not name.startswith("transformer."):
+            name = "transformer." + name
+        return super().checkpoint_name(name)
 
     def load_special_weight(self, name: str, loaded: WeightSource) -> bool:
         """The Conv1D weights, transposed; `c_attn`'s weight and bias hold q, k and v one after

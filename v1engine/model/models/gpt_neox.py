@@ -21,18 +21,16 @@ from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
-from v1engine.model.models.gpt2 import FusedMultiHeadAttention, GeluMLP
-from v1engine.model.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    MakeMLP,
-    PlainDecoderModel,
-)
-from v1engine.model.weight_utils import WeightSource, materialize, model_param_name
+from v1engine.model.models.gpt2 import FusedMultiHeadAttention, GeluMLP, PlainDecoderModel
+from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, MakeMLP
+from v1engine.model.weight_utils import WeightSource, materialize
 
-# The model's own names for HF's top-level modules, and for the projections in a layer.
-_RENAMES = {"embed_in.": "embed_tokens.", "final_layer_norm.": "norm."}
-_INNER_RENAMES = (
+# Checkpoint names -> the model's, replaced in order.
+_RENAMES = (
+    ("gpt_neox.embed_in.", "model.embed_tokens."),
+    ("gpt_neox.final_layer_norm.", "model.norm."),
+    ("gpt_neox.", "model."),
+    ("embed_out.", "lm_head."),
     (".attention.query_key_value.", ".attention.fused_qkv."),
     (".attention.dense.", ".attention.out_proj."),
     (".mlp.dense_h_to_4h.", ".mlp.fc1."),
@@ -83,15 +81,8 @@ class GPTNeoXModel(PlainDecoderModel):
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     model_cls = GPTNeoXModel
 
-    def checkpoint_name(self, name: str) -> str | None:
-        if name.endswith((".attention.bias", ".attention.masked_bias")):
-            return None  # a causal-mask buffer, not a weight
-        if name == "embed_out.weight":
-            return "lm_head.weight"
-        name = model_param_name(name.removeprefix("gpt_neox."), _RENAMES)
-        for theirs, ours in _INNER_RENAMES:
-            name = name.replace(theirs, ours)
-        return name
+    checkpoint_skips = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+    checkpoint_renames = _RENAMES
 
     def load_special_weight(self, name: str, loaded: WeightSource) -> bool:
         """`query_key_value`'s weight and bias: per head, its q, k and v rows."""

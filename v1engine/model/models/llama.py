@@ -251,33 +251,6 @@ class DecoderModel(nn.Module):
         return hidden_states
 
 
-class PlainDecoderModel(nn.Module):
-    """The forward of decoders whose layers add their own residuals (GPT-2, GPT-NeoX, Phi): the
-    embeddings, each `layer(cos_sin, hidden[, output_rows]) -> hidden`, the final norm.
-    Subclasses build `embed_tokens`, `layers` and `norm`, and say how a step embeds (learned
-    positions too) and gathers its RoPE rows (None without RoPE)."""
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin | None:
-        return None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        output_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The final hidden states of `output_rows` of the tokens (all when None)."""
-        hidden_states = self.embed(input_ids, positions)
-        cos_sin = self.step_cos_sin(positions, hidden_states.dtype)
-        for layer in self.layers[:-1]:
-            hidden_states = layer(cos_sin, hidden_states)
-        # As DecoderModel's: the last layer's rows the LM head will not read stop at their K/V.
-        return self.norm(self.layers[-1](cos_sin, hidden_states, output_rows))
-
-
 class LlamaModel(DecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
@@ -353,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
         loaded_names = set()
         for name, loaded in weights:
             name = self.checkpoint_name(name)
-            if name is None or "rotary_emb.inv_freq" in name:
+            if name is None:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding already holds it
@@ -373,9 +346,17 @@ class LlamaForCausalLM(nn.Module):
         self.weights_version += 1
         return loaded_names
 
+    # Stored buffers that are not weights, by suffix (RoPE tables; old checkpoints' masks), and
+    # checkpoint name parts -> this model's, replaced in order (GPT-2's and others' differ).
+    checkpoint_skips: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
     def checkpoint_name(self, name: str) -> str | None:
-        """A checkpoint tensor's name as this model's parameters spell it (GPT-2's and others'
-        differ from Llama's); None for a tensor that is not a weight (a stored buffer)."""
+        """A checkpoint tensor's name as this model's parameters spell it; None: not a weight."""
+        if name.endswith(self.checkpoint_skips):
+            return None
+        for theirs, ours in self.checkpoint_renames:
+            name = name.replace(theirs, ours)
         return name
 
     def load_special_weight(self, name: str, loaded: WeightSource) -> bool:

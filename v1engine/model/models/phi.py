@@ -18,14 +18,8 @@ from v1engine.model.layers.linear import (
     VocabParallelEmbedding,
 )
 from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding
-from v1engine.model.models.gpt2 import GeluMLP
-from v1engine.model.models.llama import (
-    LlamaAttention,
-    LlamaForCausalLM,
-    MakeMLP,
-    PlainDecoderModel,
-    get_head_size,
-)
+from v1engine.model.models.gpt2 import GeluMLP, PlainDecoderModel
+from v1engine.model.models.llama import LlamaAttention, LlamaForCausalLM, MakeMLP, get_head_size
 
 
 class PhiAttention(LlamaAttention):
@@ -86,6 +80,7 @@ _RENAMES = (
 
 class PhiForCausalLM(LlamaForCausalLM):
     model_cls = PhiModel
+    checkpoint_renames = _RENAMES
 
     @staticmethod
     def make_mlp(config: Any, layer_idx: int) -> nn.Module:
@@ -102,8 +97,3 @@ class PhiForCausalLM(LlamaForCausalLM):
     @torch.no_grad()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden_states) + self.lm_head.bias.float()
-
-    def checkpoint_name(self, name: str) -> str | None:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name
