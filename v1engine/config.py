@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from v1engine.logger import init_logger
+
 # The one list of each choice: the configs validate against them, `EngineArgs` offers them as
 # CLI `choices`. Dtypes are torch attribute names; "auto" is resolved by the worker.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -367,3 +369,7 @@ class EngineConfig:
             # A step's drafts come back with its tokens: the next step cannot be planned before.
             scheduler_config = replace(self.scheduler_config, async_scheduling=False)
             object.__setattr__(self, "scheduler_config", scheduler_config)
+            init_logger(__name__).info(
+                "Speculative decoding schedules each step after the last one's tokens: async "
+                "scheduling is off"
+            )

@@ -3,6 +3,8 @@ step's sampled rows accept, where the LM head reads, and who speculates."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -88,7 +90,7 @@ def test_the_lm_head_reads_the_last_known_token_and_every_draft() -> None:
     assert inputs.logits_indices.tolist() == [0, 1, 2, 7]
 
 
-def test_a_bad_speculative_config_is_refused_naming_the_fix() -> None:
+def test_a_bad_speculative_config_is_refused_naming_the_fix(caplog) -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig.from_dict({"method": "ngram"})
     with pytest.raises(ValueError, match="method must be one of"):
@@ -102,9 +104,11 @@ def test_a_bad_speculative_config_is_refused_naming_the_fix() -> None:
     config = SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
     assert SpeculativeConfig(num_speculative_tokens=1).prompt_lookup_min == 5
-    engine = EngineArgs(speculative_config={"num_speculative_tokens": 2}).create_engine_config()
+    with caplog.at_level(logging.INFO, logger="v1engine.config"):
+        engine = EngineArgs(speculative_config={"num_speculative_tokens": 2}).create_engine_config()
     assert engine.speculative_config.num_speculative_tokens == 2
     assert not engine.scheduler_config.async_scheduling  # drafts come back with the step
+    assert "async scheduling is off" in caplog.text  # said, not silently changed
     pooling = EngineArgs(speculative_config={"num_speculative_tokens": 2}, runner="pooling")
     with pytest.raises(ValueError, match="this engine pools"):
         pooling.create_engine_config()

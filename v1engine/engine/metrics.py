@@ -281,8 +281,9 @@ class ServerMetrics:
         hits = stats.num_prefix_cache_hit_tokens - last.num_prefix_cache_hit_tokens
         self.prefix_cache_queries.inc(max(queries, 0))
         self.prefix_cache_hits.inc(max(hits, 0))
-        for counter, field in self.spec_decode:
-            counter.inc(max(getattr(stats, field) - getattr(last, field), 0))
+        if stats.num_spec_drafts != last.num_spec_drafts:  # an engine that speculates
+            for counter, field in self.spec_decode:
+                counter.inc(max(getattr(stats, field) - getattr(last, field), 0))
 
     def reset_idle_gauges(self) -> None:
         self.num_requests_running.set(0)

@@ -57,19 +57,14 @@ class StepLayout:
     max_query_len: int
 
 
-def _ranks(lengths: np.ndarray) -> np.ndarray:
-    """0 .. lengths[i] - 1 for each i, concatenated."""
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
-
-
 def step_layout(num_computed_tokens: np.ndarray, query_lens: np.ndarray) -> StepLayout:
     """The layout of rows computing `query_lens[r]` tokens after `num_computed_tokens[r]`."""
     query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     req_indices = np.repeat(np.arange(len(query_lens)), query_lens)
+    offsets = np.arange(query_start_loc[-1]) - np.repeat(query_start_loc[:-1], query_lens)
     num_computed = num_computed_tokens.astype(np.int64)
-    positions = num_computed[req_indices] + _ranks(query_lens)
+    positions = num_computed[req_indices] + offsets
     seq_lens = num_computed + query_lens
     return StepLayout(query_start_loc, seq_lens, req_indices, positions, int(query_lens.max()))
 
@@ -160,7 +155,8 @@ def build_model_inputs(
     logits_indices = layout.query_start_loc[1:][sampling_rows] - 1
     if num_drafts is not None:  # the last 1 + num_drafts tokens of each sampling row
         counts = num_drafts[sampling_rows] + 1
-        logits_indices = np.repeat(logits_indices + 1 - counts, counts) + _ranks(counts)
+        ends = np.repeat(logits_indices + 1, counts)  # one past each row's last token
+        logits_indices = ends - (np.repeat(np.cumsum(counts), counts) - np.arange(counts.sum()))
     query_start_loc = _to_device(layout.query_start_loc, torch.int32, device)
     per_group = build_common_attn_metadata(batch.block_tables, layout, query_start_loc, device)
     return ModelInputs(
