@@ -35,7 +35,7 @@ from v1engine.entrypoints.openai.forced_calls import ForcedCall, new_call_id
 Schemas = dict[str, dict[str, Any]]
 
 QWEN3_CODER_MARKER = "<tool_call>"
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
 _FUNCTION_OPEN = re.compile(r"<function=([^>\n]+)>")
 
 
@@ -102,6 +102,9 @@ class Qwen3CoderCallReader:
         self._text = ""
         self._read = 0  # text[:_read] is consumed
         self._num_parameters = 0  # of the open call
+        # The open parameter's name and where its value starts; None between parameters.
+        self._key: str | None = None
+        self._value_start = 0
 
     def feed(self, delta: str) -> list[tuple[int, ForcedCall | None, str]]:
         self._text += delta
@@ -131,25 +134,31 @@ class Qwen3CoderCallReader:
         return len(self.calls) - 1, self.calls[-1], ""
 
     def _read_function(self) -> tuple[int, ForcedCall | None, str] | None:
-        """The open call's next parameter, or its end, once written whole."""
-        opened = self._text.find("<parameter=", self._read)
-        end = self._text.find("</function>", self._read)
-        if opened >= 0 and (end < 0 or opened < end):
-            parameter = _PARAMETER.match(self._text, opened)
-            if parameter is None:
-                return None  # still being written
-            call = self.calls[-1]
-            key = parameter.group(1).strip()
-            value = typed_value(parameter.group(2), _parameter_schema(self.schemas, call.name, key))
-            text = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-            text = ("{" if self._num_parameters == 0 else ", ") + text
-            self._num_parameters += 1
-            self._read = parameter.end()
-        elif end >= 0:
-            text = "}" if self._num_parameters else "{}"
-            self.in_function = False
-            self._read = end + len("</function>")
-        else:
+        """The open call's next parameter, or its end, once written whole. A value is searched
+        for its closing tag only where the text grew, so a long one streams in linear time."""
+        if self._key is None:  # between parameters: the next one opens, or the call ends
+            opened = self._text.find("<parameter=", self._read)
+            end = self._text.find("</function>", self._read)
+            if end >= 0 and (opened < 0 or end < opened):
+                self.in_function, self._read = False, end + len("</function>")
+                return self._arguments("}" if self._num_parameters else "{}")
+            tag = None if opened < 0 else _PARAMETER_OPEN.match(self._text, opened)
+            if tag is None:
+                return None  # not yet, or its tag is still being written
+            self._key, self._value_start = tag.group(1).strip(), tag.end()
+            self._read = tag.end()
+        close = self._text.find("</parameter>", self._read)
+        if close < 0:  # what may be the start of the closing tag is searched again
+            self._read = max(self._read, len(self._text) - len("</parameter>") + 1)
             return None
+        call, key = self.calls[-1], self._key
+        raw = self._text[self._value_start : close]
+        value = typed_value(raw, _parameter_schema(self.schemas, call.name, key))
+        text = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        self._key, self._read = None, close + len("</parameter>")
+        self._num_parameters += 1
+        return self._arguments(("{" if self._num_parameters == 1 else ", ") + text)
+
+    def _arguments(self, text: str) -> tuple[int, ForcedCall | None, str]:
         self.calls[-1].arguments += text
         return len(self.calls) - 1, None, text
