@@ -150,7 +150,8 @@ class Scheduler:
             request = self.requests[req_id]
             # Drafts count as computed only once verified (core/spec_decode.py).
             request.num_computed_tokens += num_tokens - len(plan.spec_token_ids.get(req_id, ()))
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # sent, or dropped for want of room
             if request.num_computed_tokens == request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1  # it samples: its token comes later
         return output
