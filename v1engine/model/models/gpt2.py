@@ -159,7 +159,11 @@ class PlainDecoderModel(nn.Module):
 class GPT2Model(PlainDecoderModel):
     def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
         super().__init__()
-        for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        for name in (
+            "scale_attn_by_inverse_layer_idx",
+            "reorder_and_upcast_attn",
+            "add_cross_attention",
+        ):
             if getattr(config, name, False):
                 raise ValueError(f"GPT-2's {name} is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
