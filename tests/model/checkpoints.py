@@ -3,19 +3,18 @@
     path = make_checkpoint(tmp_path, "llama")                  # untied, GQA
     path = make_checkpoint(tmp_path, "mistral", num_hidden_layers=3)  # config overrides
 
-Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it), llama_tied
-(tied embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid
-(sliding window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads),
-qwen3_yarn (qwen3 with YaRN rope scaling), mistral (sliding window 8, shorter than the test
-prompts), gemma3 (Gemma 3's layout: local and global layers, offset norms, gelu), smollm3 (a NoPE
-layer in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and
-mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), gpt2
-(learned positions, LayerNorm, Conv1D weights), gpt_neox and gpt_neox_chained (Pythia's partial
-RoPE, parallel or chained residual), phi (Phi-2's parallel blocks, biased LM head), olmo2
-(q/k norms over whole projections, post-norms) and olmo3 (with sliding layers).
-Weights are drawn
-with a larger spread than HF's init so logits are far from ties and greedy decoding is a
-meaningful check.
+Presets (`CHECKPOINT_PRESETS`): llama (untied, GQA 4/2, odd vocab so TP pads it), llama_tied (tied
+embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_hybrid (sliding
+window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads), qwen3_yarn (qwen3
+with YaRN rope scaling), mistral (sliding window 8, shorter than the test prompts), gemma2 (Gemma
+2's soft-capped attention and final logits), gemma3 (Gemma 3's layout: local and global layers,
+offset norms, gelu), smollm3 (a NoPE layer in four), granite (its multipliers), qwen3_moe, qwen2_moe
+(with a shared expert) and mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections,
+partial longrope), gpt2 (learned positions, LayerNorm, Conv1D weights), gpt_neox and
+gpt_neox_chained (Pythia's partial RoPE, parallel or chained residual), phi (Phi-2's parallel
+blocks, biased LM head), olmo2 (q/k norms over whole projections, post-norms) and olmo3 (with
+sliding layers). Weights are drawn with a larger spread than HF's init so logits are far from ties
+and greedy decoding is a meaningful check.
 """
 
 from __future__ import annotations
@@ -170,6 +169,19 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True, num_hidden_layers=4)),
     # Local layers around a global one, each kind with its RoPE (the global one scaled, as in
     # gemma-3-4b and up).
+    # Gemma 2's alternating layers (sliding, full, sliding) with caps small enough that these
+    # weights' attention and final logits bend under them.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=32,
+            num_hidden_layers=3,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+        ),
+    ),
     "gemma3": (
         "Gemma3TextConfig",
         dict(

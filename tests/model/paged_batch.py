@@ -77,11 +77,13 @@ def torch_paged_attention(
     common: CommonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The torch backend's attention of one layer over a step described by `common`."""
     backend = TorchAttentionBackend()
     metadata = backend.build_metadata(common, attention_spec(key_cache, sliding_window))
-    return backend.forward(query, (key_cache, value_cache), metadata, scale, sliding_window)
+    kv_cache = (key_cache, value_cache)
+    return backend.forward(query, kv_cache, metadata, scale, sliding_window, soft_cap)
 
 
 def dense_attention(
@@ -90,8 +92,10 @@ def dense_attention(
     value: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Naive reference for one request whose query rows are its last tokens.
+    """Naive reference for one request whose query rows are its last tokens; with `soft_cap`
+    each score s is cap * tanh(s / cap) (Gemma 2).
 
     query: [query_len, num_heads, head_size]; key, value: [seq_len, num_kv_heads, head_size].
     """
@@ -101,6 +105,8 @@ def dense_attention(
     key = key.repeat_interleave(group, dim=1).float()
     value = value.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     visible = k_pos <= q_pos

@@ -35,6 +35,7 @@ def _attend(
     dtype,
     pad=0,
     num_blocks=NUM_BLOCKS,
+    soft_cap=None,
 ):
     """One layer's step over caches pre-filled with noise (where a request's prefix would be):
     returns (metadata, out, kv_cache)."""
@@ -46,7 +47,8 @@ def _attend(
     query = torch.randn(common.num_tokens, num_heads, head_size, generator=generator).to(dtype)
     metadata = backend.build_metadata(common, attention_spec(kv_cache[0], window))
     backend.write_kv_cache(key.to(dtype), value.to(dtype), kv_cache, metadata)
-    return metadata, backend.forward(query, kv_cache, metadata, head_size**-0.5, window), kv_cache
+    out = backend.forward(query, kv_cache, metadata, head_size**-0.5, window, soft_cap)
+    return metadata, out, kv_cache
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -120,6 +122,22 @@ def test_prefills_through_the_blocked_passes_match_the_torch_backend(
     _, out, _ = _attend(CpuAttentionBackend(), *args)
     _, expected, _ = _attend(TorchAttentionBackend(), *args)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window", [None, 5])
+# 12: the plain passes; 64 with two query heads per KV head: the vector and blocked passes.
+@pytest.mark.parametrize("head_size", [12, 64])
+def test_soft_capped_scores_match_the_torch_backend(head_size, window, dtype, tol):
+    """Gemma 2's cap * tanh(score / cap) in every pass (decodes, prefills over a prefix, rows
+    past a block of 8); a cap of 1 bends these scores (about unit spread) past the tolerance."""
+    steps = [(0, 0, 37), (1, 20, 19), (2, 5, 1), (3, 30, 1)]
+    args = (steps, 8, 4, head_size, 4, window, dtype)
+    _, out, _ = _attend(CpuAttentionBackend(), *args, soft_cap=1.0)
+    _, expected, _ = _attend(TorchAttentionBackend(), *args, soft_cap=1.0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    _, uncapped, _ = _attend(CpuAttentionBackend(), *args)
+    assert (out.float() - uncapped.float()).abs().max() > 10 * tol
 
 
 def test_a_long_prefill_carries_the_torch_plan_and_a_longer_one_takes_it():

@@ -14,14 +14,14 @@ from tests.model.paged_batch import (
     dense_attention,
     torch_paged_attention,
 )
-from v1engine.model.layers import torch_attention
+from v1engine.model.layers import torch_attention, torch_attention_plan
 from v1engine.model.layers.torch_attention import TorchAttentionBackend, write_kv_cache
 
 HEAD_SIZE = 8
 NUM_BLOCKS = 64
 
 
-def _run_step(steps, num_heads, num_kv_heads, block_size, sliding_window, padding=0):
+def _run_step(steps, num_heads, num_kv_heads, block_size, sliding_window, padding=0, soft_cap=None):
     """Fills the cache with each request's prefix, writes the new K/V, returns (out, expected)."""
     torch.manual_seed(0)
     allocator = BlockAllocator(NUM_BLOCKS, block_size, seed=1)
@@ -44,15 +44,18 @@ def _run_step(steps, num_heads, num_kv_heads, block_size, sliding_window, paddin
     new_k = torch.cat([full_kv[r][0][c:] for r, c, _ in steps] + [pad])
     new_v = torch.cat([full_kv[r][1][c:] for r, c, _ in steps] + [pad])
     write_kv_cache(new_k, new_v, key_cache, value_cache, metadata.slot_mapping)
-    query = torch.randn(metadata.num_tokens, num_heads, HEAD_SIZE)
+    # Scores of a few units, so that a soft-cap of 2 bends them.
+    query = 3 * torch.randn(metadata.num_tokens, num_heads, HEAD_SIZE)
     scale = HEAD_SIZE**-0.5
-    out = torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window)
+    out = torch_paged_attention(
+        query, key_cache, value_cache, metadata, scale, sliding_window, soft_cap
+    )
     expected = torch.zeros_like(query)
     starts = metadata.query_start_loc.tolist()
     for r, (req_id, _, _) in enumerate(steps):
         k, v = full_kv[req_id]
         rows = slice(starts[r], starts[r + 1])
-        expected[rows] = dense_attention(query[rows], k, v, scale, sliding_window)
+        expected[rows] = dense_attention(query[rows], k, v, scale, sliding_window, soft_cap)
     return out, expected
 
 
@@ -70,8 +73,31 @@ def test_mixed_batch_matches_dense(num_heads, num_kv_heads, block_size, sliding_
     assert out[-3:].abs().sum() == 0, "padding rows must come back as zeros"
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_soft_capped_scores_match_dense(num_heads, num_kv_heads, sliding_window):
+    """Gemma 2's cap * tanh(score / cap) in every path: fresh prefill, chunk over a prefix,
+    decode groups; the cap must change the result (else the test would prove nothing)."""
+    out, expected = _run_step(MIXED, num_heads, num_kv_heads, 4, sliding_window, 2, soft_cap=2.0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    uncapped, _ = _run_step(MIXED, num_heads, num_kv_heads, 4, sliding_window, 2)
+    assert (out - uncapped).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_soft_capped_attention_without_a_cache(sliding_window):
+    torch.manual_seed(0)
+    q = 3 * torch.randn(10, 4, HEAD_SIZE)
+    k, v = torch.randn(2, 10, 2, HEAD_SIZE)
+    starts = torch.tensor([0, 6, 10], dtype=torch.int32)
+    out = torch_attention.causal_attention(q, k, v, starts, 0.5, sliding_window, soft_cap=2.0)
+    for a, b in ((0, 6), (6, 10)):
+        expected = dense_attention(q[a:b], k[a:b], v[a:b], 0.5, sliding_window, soft_cap=2.0)
+        torch.testing.assert_close(out[a:b], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_split_into_several_gathers(monkeypatch):
-    monkeypatch.setattr(torch_attention, "MAX_GATHER_ELEMENTS", 1)
+    monkeypatch.setattr(torch_attention_plan, "MAX_GATHER_ELEMENTS", 1)
     steps = [(r, 3 + 5 * r, 1) for r in range(6)]
     out, expected = _run_step(steps, 4, 2, 4, None)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -82,7 +108,7 @@ def test_many_decodes_of_mixed_lengths_in_sorted_groups(sliding_window):
     """More decodes than one group holds, in no length order, around a prefill."""
     lengths = [29, 3, 17, 40, 8, 22, 1, 35, 12, 26, 5, 31, 19, 9, 38, 14, 2, 24, 33, 11]
     steps = [(r, n, 1) for r, n in enumerate(lengths)] + [(99, 6, 5)]
-    assert len(lengths) > 2 * torch_attention.DECODE_GROUP_SIZE
+    assert len(lengths) > 2 * torch_attention_plan.DECODE_GROUP_SIZE
     out, expected = _run_step(steps, 6, 2, 16, sliding_window)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -34,6 +34,7 @@ TP_CASES = {
     "qwen2": {},
     "qwen3": {},
     "mistral": {},
+    "gemma2": {},
     "gemma3": {},
     "smollm3": {},
     "granite": {},

@@ -83,7 +83,11 @@ def _build_batch(
 
 
 def _dense_reference(
-    query: torch.Tensor, batch: _Batch, scale: float, sliding_window: int | None
+    query: torch.Tensor,
+    batch: _Batch,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Naive fp32 attention per request over its unpaged K/V; padding rows stay zero."""
     out = torch.zeros(query.shape, dtype=torch.float32)
@@ -99,6 +103,8 @@ def _dense_reference(
         if sliding_window is not None:
             visible &= q_pos - k_pos < sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[bounds[r] : bounds[r + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
@@ -110,6 +116,7 @@ def _check(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     config: ta._LaunchConfig | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     head_size = batch.key_cache.shape[-1]
     device = batch.key_cache.device
@@ -119,14 +126,14 @@ def _check(
     scale = head_size**-0.5
     args = (query, batch.key_cache, batch.value_cache, batch.metadata, scale, sliding_window)
     if config is None:
-        out = ta.paged_attention(*args)
+        out = ta.paged_attention(*args, soft_cap)
     else:
-        out = ta._paged_attention(*args, config)
+        out = ta._paged_attention(*args, config, soft_cap)
     assert out.shape == query.shape and out.dtype == dtype
     tol = _TOL[dtype]
-    dense = _dense_reference(query, batch, scale, sliding_window)
+    dense = _dense_reference(query, batch, scale, sliding_window, soft_cap)
     torch.testing.assert_close(out.float().cpu(), dense, atol=tol, rtol=tol)
-    torch_out = torch_paged_attention(*args)
+    torch_out = torch_paged_attention(*args, soft_cap)
     torch.testing.assert_close(out.float(), torch_out.float(), atol=2 * tol, rtol=2 * tol)
 
 
@@ -167,6 +174,17 @@ def test_kv_splits_merge_like_one_pass(steps: list[tuple[int, int]], num_kv_spli
     config = ta._LaunchConfig(block_m=16, block_n=16, num_kv_splits=num_kv_splits)
     _check(batch, 4, torch.float16, sliding_window=None, config=config)
     _check(batch, 4, torch.float16, sliding_window=9, config=config)
+
+
+@on_cpu_tensors
+def test_soft_capped_scores() -> None:
+    """Gemma 2's cap * tanh(score / cap), through prefills, decodes and merged decode splits;
+    a cap of 1 bends these scores (about unit spread) well past the tolerance."""
+    batch = _build_batch([(9, 1), (0, 11), (12, 6)], 2, 16, 4, torch.float32, 2)
+    _check(batch, 4, torch.float32, sliding_window=5, soft_cap=1.0)
+    decodes = _build_batch([(40, 1), (3, 1)], 2, 16, 8, torch.float32)
+    config = ta._LaunchConfig(block_m=16, block_n=16, num_kv_splits=3)
+    _check(decodes, 4, torch.float32, config=config, soft_cap=1.0)
 
 
 @on_cpu_tensors

@@ -27,6 +27,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_name: str,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -40,6 +41,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_name = layer_name
         self.sliding_window = sliding_window
+        # Gemma 2's: each attention score s becomes cap * tanh(s / cap) before the softmax.
+        self.logits_soft_cap = logits_soft_cap
         # Set together by the worker's bind_kv_caches.
         self.kv_cache: KVCache | None = None
         self.kv_cache_group_index: int | None = None
@@ -61,7 +64,13 @@ class Attention(nn.Module):
         context = get_forward_context()
         if context.attn_metadata is None:
             out = causal_attention(
-                q, k, v, context.query_start_loc, self.scale, self.sliding_window
+                q,
+                k,
+                v,
+                context.query_start_loc,
+                self.scale,
+                self.sliding_window,
+                self.logits_soft_cap,
             )
             return out.view(num_tokens, -1)
         # The runner builds metadata only once every layer's cache is bound.
@@ -69,14 +78,16 @@ class Attention(nn.Module):
         metadata = context.attn_metadata[self.kv_cache_group_index]
         backend = context.attn_backend
         backend.write_kv_cache(k, v, self.kv_cache, metadata)
-        out = backend.forward(q, self.kv_cache, metadata, self.scale, self.sliding_window)
+        out = backend.forward(
+            q, self.kv_cache, metadata, self.scale, self.sliding_window, self.logits_soft_cap
+        )
         return out.view(num_tokens, -1)
 
     def extra_repr(self) -> str:
         return (
             f"layer_name={self.layer_name}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
-            f"sliding_window={self.sliding_window}"
+            f"sliding_window={self.sliding_window}, logits_soft_cap={self.logits_soft_cap}"
         )
 
 

@@ -99,6 +99,7 @@ class AttentionBackend(Protocol[MetadataT]):
         metadata: MetadataT,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Attention of every new token over its request's cached keys (new tokens included).
 
@@ -108,6 +109,8 @@ class AttentionBackend(Protocol[MetadataT]):
             metadata: from `build_metadata` for the layer's group.
             scale: softmax scale.
             sliding_window: the layer's window (the group spec's), None for full attention.
+            logits_soft_cap: each score s becomes cap * tanh(s / cap) before the softmax
+                (Gemma 2's layers); None: scores as they are.
 
         Returns:
             [num_tokens, num_heads, head_size]; rows past `query_start_loc[-1]` are zeros.

@@ -16,6 +16,7 @@
 struct attention_shape {
     long num_heads, num_kv_heads, head_size, block_size, window;
     float scale;
+    float soft_cap; /* > 0: each score s becomes soft_cap * tanh(s / soft_cap) (Gemma 2) */
     /* [num_heads]: where query head h's KV head (h / (num_heads / num_kv_heads)) starts in a
        cache row, in elements; computed once per call (a division costs tens of cycles, and the
        passes would otherwise divide once per group of keys) */
@@ -140,11 +141,17 @@ static inline float maximum(const float *p, long n)
 
 /* scores [rows, H, n] -> the softmax's numerators e^(score - max) per row and head, in place
    (-inf scores become 0), and 1 / their sum per row and head in `inverse_totals`: the values pass
-   scales its sums by it once, instead of a division per score here. */
-static inline void softmax(float *scores, long num_rows, long n, float *inverse_totals)
+   scales its sums by it once, instead of a division per score here. With soft_cap > 0 the
+   scores are capped first (keys a row does not see stay -inf). */
+static inline void softmax(float *scores, long num_rows, long n, float soft_cap,
+                           float *inverse_totals)
 {
     for (long r = 0; r < num_rows; r++) {
-        float *p = scores + r * n, top = maximum(p, n), total = 0.f;
+        float *p = scores + r * n;
+        if (soft_cap > 0.f)
+            for (long i = 0; i < n; i++)
+                if (p[i] != -INFINITY) p[i] = soft_cap * tanhf(p[i] / soft_cap);
+        float top = maximum(p, n), total = 0.f;
         _Pragma("omp simd reduction(+:total)")
         for (long i = 0; i < n; i++) total += p[i] = v1e_expf(p[i] - top);
         inverse_totals[r] = 1.f / total;

@@ -122,15 +122,17 @@ class CpuAttentionBackend:
         metadata: CpuMetadata,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        window_and_cap = (sliding_window, logits_soft_cap)
         if isinstance(metadata, TorchAttentionMetadata):
-            return self._torch.forward(query, kv_cache, metadata, scale, sliding_window)
+            return self._torch.forward(query, kv_cache, metadata, scale, *window_and_cap)
         long_prefill = metadata.long_prefill
         if long_prefill is not None:  # only then can the heads send the layer to SDPA
             _, num_heads, head_size = query.shape
             heads = (num_heads, kv_cache[0].shape[2], head_size)
             if not kernel_attends(metadata.longest_prefill, *heads):
-                return self._torch.forward(query, kv_cache, long_prefill, scale, sliding_window)
+                return self._torch.forward(query, kv_cache, long_prefill, scale, *window_and_cap)
         rows = metadata.num_rows
         cache_dtype = kv_cache[0].dtype
         out = cpu_kernels.paged_attention(
@@ -141,6 +143,7 @@ class CpuAttentionBackend:
             scale,
             sliding_window,
             metadata.query_start_loc,
+            soft_cap=logits_soft_cap,
         ).to(query.dtype)
         if rows == query.shape[0]:
             return out

@@ -212,7 +212,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         for (long i = 0; i < u->rows * H * D; i++) qf[i] = LOAD(q[i]);                         \
         NAME##_scores(qf, k_cache, rows, u, sh, &qv, scores);                                  \
         float inverse_totals[u->rows * H];                                                     \
-        softmax(scores, u->rows * H, u->n, inverse_totals);                                    \
+        softmax(scores, u->rows * H, u->n, sh->soft_cap, inverse_totals);                      \
         for (long g = 0; g < sh->num_kv_heads; g++) {                                          \
             if (D == 64)                                                                       \
                 NAME##_values_4(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);    \

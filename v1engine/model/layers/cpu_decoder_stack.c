@@ -179,7 +179,7 @@ static int matmul_bf16(const struct v1e_decoder_shape *sh, const uint16_t *x, co
                                     st->seq_lens[g], st->query_start_locs[g], b->attn,         \
                                     st->num_seqs, sh->num_heads, sh->num_kv_heads,             \
                                     sh->head_size, L->block_size, st->table_strides[g],        \
-                                    L->window, sh->scale))                                     \
+                                    L->window, sh->scale, 0.f))                                \
             return 1;                                                                          \
         if (matmul_##S(sh, b->attn, L->o_weight, L->o_packed, NULL, b->x, M, sh->hidden,       \
                        w->q) ||                                                                \

@@ -53,7 +53,7 @@ _P, _N, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
 # name -> (argument types, return type), as the C files declare them.
 _TYPED = {
     "gemv": ([_P] * 4 + [_N] * 3, ctypes.c_int),
-    "paged_attention": ([_P] * 7 + [_N] * 7 + [_F], ctypes.c_int),
+    "paged_attention": ([_P] * 7 + [_N] * 7 + [_F, _F], ctypes.c_int),
     "rms_norm": ([_P] * 5 + [_N] * 2 + [_F], None),
     "rotary": ([_P] * 6 + [_N] * 6, None),
     "silu_and_mul": ([_P] * 2 + [_N] * 2, None),

@@ -70,7 +70,8 @@ static inline float v1e_expf(float x)
                                 const int32_t *block_table, const int32_t *seq_lens,           \
                                 const int32_t *query_start_loc, T *out, long num_seqs,         \
                                 long num_heads, long num_kv_heads, long head_size,             \
-                                long block_size, long table_stride, long window, float scale);
+                                long block_size, long table_stride, long window, float scale, \
+                                float soft_cap);
 
 DECLARE_KERNELS(f32, float)
 DECLARE_KERNELS(bf16, uint16_t)

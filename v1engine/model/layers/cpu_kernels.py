@@ -284,10 +284,11 @@ def paged_attention(
     sliding_window: int | None,
     query_start_loc: torch.Tensor | None = None,
     function: ctypes._CFuncPtr | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Each request's query rows over its paged keys (attention_backend.py's layout and batch
     contract), by `function` (default: this library's kernel; `scripts/bench_attention.py`
-    passes another build's).
+    passes another build's), each score s capped to soft_cap * tanh(s / soft_cap) if given.
 
     query [num_rows, num_heads, head_size]; key_cache/value_cache [num_blocks, block_size,
     num_kv_heads, head_size] of query's dtype; block_table [num_reqs, stride] int32 (rows may be
@@ -314,6 +315,7 @@ def paged_attention(
         block_table.stride(0),
         sliding_window or 0,
         scale,
+        soft_cap or 0.0,
     )
     if failed:
         raise MemoryError("paged attention could not allocate its score buffers")

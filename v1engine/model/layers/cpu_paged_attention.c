@@ -175,7 +175,7 @@
 #define VECTOR_CASE(NAME, VECS)                                                                \
     case VECS:                                                                                 \
         NAME##_scores_##VECS(q, k_cache, v_cache, table, u, sh, scores);                       \
-        softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
+        softmax(scores, u->rows * sh->num_heads, u->n, sh->soft_cap, inverse_totals);          \
         NAME##_values_##VECS(v_cache, table, u, sh, scores, inverse_totals, out);              \
         return 0;
 
@@ -210,7 +210,7 @@
         float *acc = calloc(size, sizeof(float));                                              \
         if (!acc) return 1;                                                                    \
         NAME##_plain_pass(q, k_cache, table, u, sh, scores, NULL);                             \
-        softmax(scores, u->rows * sh->num_heads, u->n, inverse_totals);                        \
+        softmax(scores, u->rows * sh->num_heads, u->n, sh->soft_cap, inverse_totals);          \
         NAME##_plain_pass(q, v_cache, table, u, sh, scores, acc);                              \
         for (long i = 0; i < size; i++)                                                        \
             out[i] = STORE(acc[i] * inverse_totals[i / sh->head_size]);                        \
@@ -221,13 +221,13 @@
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_table,       \
              const int32_t *seq_lens, const int32_t *query_start_loc, T *out, long num_seqs,   \
              long num_heads, long num_kv_heads, long head_size, long block_size,               \
-             long table_stride, long window, float scale)                                      \
+             long table_stride, long window, float scale, float soft_cap)                      \
     {                                                                                          \
         long head_offset[num_heads];                                                           \
         for (long h = 0; h < num_heads; h++)                                                   \
             head_offset[h] = h / (num_heads / num_kv_heads) * head_size;                       \
         const struct attention_shape sh = {num_heads, num_kv_heads, head_size, block_size,     \
-                                           window, scale, head_offset};                        \
+                                           window, scale, soft_cap, head_offset};              \
         long num_units;                                                                        \
         long *units = plan_units(query_start_loc, num_seqs, &num_units);                       \
         if (!units) return 1;                                                                  \

@@ -185,20 +185,28 @@ def _float32_of(
 class RotaryEmbeddingsByKind(nn.Module):
     """One RoPE table per kind of layer (Gemma 3's and OLMo 3's "sliding_attention" and
     "full_attention" layers, each kind with its `rope_parameters`), shared by the layers of that
-    kind; a step gathers each table's rows once."""
+    kind, and by kinds whose parameters are the same (Gemma 2's); a step gathers each table's
+    rows once."""
 
     def __init__(self, hf_config: Any, head_size: int, layer_kinds: list[str]) -> None:
         super().__init__()
         positions = max_positions(hf_config)
-        self.tables = nn.ModuleDict(
-            {
-                kind: RotaryEmbedding(head_size, positions, get_rope_parameters(hf_config, kind))
-                for kind in sorted(set(layer_kinds))
-            }
-        )
+        by_parameters: dict[str, RotaryEmbedding] = {}
+        tables = {}
+        for kind in sorted(set(layer_kinds)):
+            parameters = get_rope_parameters(hf_config, kind)
+            key = repr(sorted(parameters.items()))
+            if key not in by_parameters:
+                by_parameters[key] = RotaryEmbedding(head_size, positions, parameters)
+            tables[kind] = by_parameters[key]
+        self.tables = nn.ModuleDict(tables)
 
     def __getitem__(self, kind: str) -> RotaryEmbedding:
         return self.tables[kind]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, CosSin]:
-        return {kind: rope.cos_sin(positions, dtype) for kind, rope in self.tables.items()}
+        rows: dict[int, CosSin] = {}
+        for rope in self.tables.values():
+            if id(rope) not in rows:
+                rows[id(rope)] = rope.cos_sin(positions, dtype)
+        return {kind: rows[id(rope)] for kind, rope in self.tables.items()}

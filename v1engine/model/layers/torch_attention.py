@@ -8,7 +8,10 @@ sliding-window mask, where GQA never repeats K/V: the query heads that share a K
 query rows. A fresh prompt without a window uses SDPA's causal mask instead (several times faster
 on CPU), at the cost of repeating K/V. Blocks wholly outside a request's window are never read,
 so a sliding-window KV manager may free them. SDPA gets 4-D inputs (a batch of one): on CPU 3-D
-ones take a path 1.5-2.8x slower. `causal_attention` is the no-cache path (profiling)."""
+ones take a path 1.5-2.8x slower. `causal_attention` is the no-cache path (profiling).
+
+Layers with logit soft-capping (Gemma 2: each score s becomes cap * tanh(s / cap) before the
+softmax) attend through `_attend`'s eager product instead of SDPA, which has no such option."""
 
 from __future__ import annotations
 
@@ -17,9 +20,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from v1engine.kv_cache_interface import AttentionSpec, SlidingWindowSpec
+from v1engine.kv_cache_interface import AttentionSpec
 from v1engine.model.layers.attention_backend import CommonAttentionMetadata, KVCache
-from v1engine.utils import cdiv
+from v1engine.model.layers.torch_attention_plan import (
+    DecodeGroup,
+    PrefillPlan,
+    StepPlan,
+    build_step_plan,
+    visible,
+)
 
 
 @dataclass(frozen=True)
@@ -58,10 +67,11 @@ class TorchAttentionBackend:
         metadata: TorchAttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         # The plan was built for the group's spec, which the worker derived from its layers.
         assert sliding_window == metadata.plan.sliding_window, (sliding_window, metadata.plan)
-        return paged_attention(query, *kv_cache, metadata.plan, scale)
+        return paged_attention(query, *kv_cache, metadata.plan, scale, logits_soft_cap)
 
 
 def written_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,23 +124,27 @@ def paged_attention(
     value_cache: torch.Tensor,
     plan: StepPlan,
     scale: float,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys (new tokens included), with
-    the window the plan was built for.
+    the window the plan was built for and the layer's logit soft-cap (None: none).
 
     query: [num_tokens, num_heads, head_size]; returns out of the same shape. Rows past
     `query_start_loc[-1]` (padding) come back as zeros.
     """
     if plan.decode_rows_are_all_rows(query.shape[0]):
         # Only decodes, in one group, in row order (batch 1, small batches): no scatter.
-        return _decode_group(query, key_cache, value_cache, plan.decode_groups[0], scale)
+        group = plan.decode_groups[0]
+        return _decode_group(query, key_cache, value_cache, group, scale, soft_cap)
     out = torch.zeros_like(query)
     for prefill in plan.prefills:
-        out[prefill.start : prefill.end] = _prefill_attention(
-            query[prefill.start : prefill.end], key_cache, value_cache, prefill, scale
+        rows = slice(prefill.start, prefill.end)
+        out[rows] = _prefill_attention(
+            query[rows], key_cache, value_cache, prefill, scale, soft_cap
         )
     for group in plan.decode_groups:
-        out.index_copy_(0, group.rows, _decode_group(query, key_cache, value_cache, group, scale))
+        group_out = _decode_group(query, key_cache, value_cache, group, scale, soft_cap)
+        out.index_copy_(0, group.rows, group_out)
     return out
 
 
@@ -140,14 +154,15 @@ def _prefill_attention(
     value_cache: torch.Tensor,
     prefill: PrefillPlan,
     scale: float,
+    soft_cap: float | None,
 ) -> torch.Tensor:
     """One request's query rows ([query_len, num_heads, head_size]) over its cached keys."""
     # [num_keys, num_kv_heads, head_size]; index_select is far faster than fancy indexing on CPU.
     key = key_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.num_keys]
     value = value_cache.index_select(0, prefill.blocks).flatten(0, 1)[: prefill.num_keys]
     if prefill.mask is None:
-        return _causal_sdpa(query, key, value, scale)
-    return _sdpa_gqa(query, key, value, prefill.mask, scale)
+        return _causal_sdpa(query, key, value, scale, soft_cap)
+    return _sdpa_gqa(query, key, value, prefill.mask, scale, soft_cap)
 
 
 def causal_attention(
@@ -157,6 +172,7 @@ def causal_attention(
     query_start_loc: torch.Tensor | None,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention over the new tokens only, no KV cache (profiling, or a model run without one).
 
@@ -170,16 +186,19 @@ def causal_attention(
             continue
         q, k, v = query[start:end], key[start:end], value[start:end]
         if sliding_window is None:
-            out[start:end] = _causal_sdpa(q, k, v, scale)
+            out[start:end] = _causal_sdpa(q, k, v, scale, soft_cap)
         else:
-            out[start:end] = _sdpa_gqa(
-                q, k, v, visible(0, end - start, 0, sliding_window, query.device), scale
-            )
+            mask = visible(0, end - start, 0, sliding_window, query.device)
+            out[start:end] = _sdpa_gqa(q, k, v, mask, scale, soft_cap)
     return out
 
 
 def _causal_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    soft_cap: float | None,
 ) -> torch.Tensor:
     """A fresh sequence (queries are all its keys): SDPA's built-in causal mask is much faster
     than an explicit one. query [seq_len, num_heads, head_size], key/value [seq_len, kv, hd]."""
@@ -188,7 +207,7 @@ def _causal_sdpa(
     # Repeated K/V rather than `enable_gqa`, which needs torch >= 2.5.
     k = key.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
     v = value.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    o = _attend(q[None], k[None], v[None], None, scale, soft_cap)
     return o[0].transpose(0, 1)
 
 
@@ -198,6 +217,7 @@ def _sdpa_gqa(
     value: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    soft_cap: float | None,
 ) -> torch.Tensor:
     """query [q_len, num_heads, head_size], key/value [num_keys, num_kv_heads, head_size]."""
     query_len, num_heads, head_size = query.shape
@@ -208,7 +228,7 @@ def _sdpa_gqa(
     q = q.reshape(1, num_kv_heads, group * query_len, head_size)
     k = key.transpose(0, 1).to(q.dtype)[None]  # [1, num_kv_heads, num_keys, head_size]
     v = value.transpose(0, 1).to(q.dtype)[None]
-    o = F.scaled_dot_product_attention(q, k, v, mask.repeat(group, 1), scale=scale)
+    o = _attend(q, k, v, mask.repeat(group, 1), scale, soft_cap)
     # [1, num_kv_heads, group * query_len, head_size] -> [query_len, num_heads, head_size]
     o = o.view(num_kv_heads, group, query_len, head_size).permute(2, 0, 1, 3)
     return o.reshape(query_len, num_heads, head_size)
@@ -220,6 +240,7 @@ def _decode_group(
     value_cache: torch.Tensor,
     group: DecodeGroup,
     scale: float,
+    soft_cap: float | None,
 ) -> torch.Tensor:
     """The group's query rows ([n, num_heads, head_size]) over their gathered blocks."""
     n = group.rows.shape[0]
@@ -231,168 +252,29 @@ def _decode_group(
     value = value_cache.index_select(0, group.blocks).view(gathered_shape).transpose(1, 2)
     q = query if group.rows_in_order and n == num_tokens else query.index_select(0, group.rows)
     q = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_size)
-    o = F.scaled_dot_product_attention(
-        q, key.to(q.dtype), value.to(q.dtype), group.mask, scale=scale
-    )
+    o = _attend(q, key.to(q.dtype), value.to(q.dtype), group.mask, scale, soft_cap)
     return o.reshape(n, num_heads, head_size)
 
 
-# -- the per-step plan -----------------------------------------------------------------------------
-# The torch backend's per-step plan: which blocks each request reads and which keys it sees.
-#
-# Every layer of a KV cache group attends with the same metadata, so everything derived from it
-# alone (block ids to gather, visibility masks, the grouping of decodes) is built once per step and
-# group, in `TorchAttentionBackend.build_metadata`; the layers only gather and multiply.
-#
-# Decodes (one new token) are sorted by length and attended in small groups. Each group gathers its
-# requests' blocks padded to its longest one, so sorting keeps the padding small, and a small
-# group's gathered K/V (up to `DECODE_GROUP_SIZE` requests) is still in cache when SDPA reads it:
-# on the 2-core benchmark machine, groups of 8 ran decode attention about 2.5x faster than one
-# padded batch of 64.
-DECODE_GROUP_SIZE = 8
-# Upper bound on gathered K elements per decode group, so long sequences shrink the group.
-MAX_GATHER_ELEMENTS = 1 << 24
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """One request with several query rows (prefill, chunked prefill, prefill over a prefix)."""
-
-    start: int  # its query rows are start:end
-    end: int
-    blocks: torch.Tensor  # [num_blocks] int64, the blocks holding its visible keys, in order
-    num_keys: int  # keys in those blocks that exist (the last block may be partly filled)
-    # [query_len, num_keys] bool; None for a fresh prompt without a window (SDPA's causal mask).
-    mask: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Single-token requests attended in one SDPA call."""
-
-    rows: torch.Tensor  # [n] int64 query rows
-    blocks: torch.Tensor  # [n * num_blocks] int64, row-major; unused entries point at block 0
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool
-    num_blocks: int
-    rows_in_order: bool  # rows == 0, 1, ..., n - 1
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    prefills: list[PrefillPlan]
-    decode_groups: list[DecodeGroup]
-    sliding_window: int | None  # the window its masks and skipped blocks were built for
-
-    def decode_rows_are_all_rows(self, num_tokens: int) -> bool:
-        """One decode group and no prefill, whose rows are 0 .. num_tokens - 1 in order."""
-        groups = self.decode_groups
-        if self.prefills or len(groups) != 1:
-            return False
-        return groups[0].rows_in_order and groups[0].rows.shape[0] == num_tokens
-
-
-def build_step_plan(metadata: CommonAttentionMetadata, kv_cache_spec: AttentionSpec) -> StepPlan:
-    """The plan of one step for the layers of one KV cache group (block size, window)."""
-    block_size = kv_cache_spec.block_size
-    sliding_window = None
-    if isinstance(kv_cache_spec, SlidingWindowSpec):
-        sliding_window = kv_cache_spec.sliding_window
-    query_start_loc = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    prefills, decodes = [], []
-    for r in range(metadata.num_reqs):
-        start, end = query_start_loc[r], query_start_loc[r + 1]
-        if end - start == 1:
-            decodes.append(r)
-        elif end > start:
-            prefills.append(
-                _prefill_plan(metadata, r, start, end, seq_lens[r], block_size, sliding_window)
-            )
-    # Longest first: each group's padding is bounded by its own longest request.
-    decodes.sort(key=lambda r: seq_lens[r], reverse=True)
-    groups = [
-        _plan_decode_group(metadata, members, query_start_loc, block_size, sliding_window)
-        for members in _split_decodes(decodes, seq_lens, kv_cache_spec)
-    ]
-    return StepPlan(prefills, groups, sliding_window)
-
-
-def _split_decodes(
-    decodes: list[int], seq_lens: list[int], kv_cache_spec: AttentionSpec
-) -> list[list[int]]:
-    """Runs of the (sorted) decodes: up to DECODE_GROUP_SIZE each, fewer when the run's longest
-    request would gather more than MAX_GATHER_ELEMENTS K elements."""
-    block_size = kv_cache_spec.block_size
-    per_token = kv_cache_spec.num_kv_heads * kv_cache_spec.head_size
-    runs: list[list[int]] = []
-    i = 0
-    while i < len(decodes):
-        longest_blocks = cdiv(seq_lens[decodes[i]], block_size)
-        fit = max(1, MAX_GATHER_ELEMENTS // (longest_blocks * block_size * per_token))
-        runs.append(decodes[i : i + min(DECODE_GROUP_SIZE, fit)])
-        i += len(runs[-1])
-    return runs
-
-
-def _prefill_plan(
-    metadata: CommonAttentionMetadata,
-    r: int,
-    start: int,
-    end: int,
-    seq_len: int,
-    block_size: int,
-    sliding_window: int | None,
-) -> PrefillPlan:
-    first_pos = seq_len - (end - start)
-    # Keys older than the first query's window are invisible to every row: skip their blocks.
-    first_key = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
-    first_block = first_key // block_size
-    last_block = cdiv(seq_len, block_size)
-    blocks = metadata.block_table[r, first_block:last_block].long()
-    key_offset = first_block * block_size
-    fresh = first_pos == 0 and sliding_window is None  # SDPA's own causal mask serves it
-    mask = None if fresh else visible(first_pos, seq_len, key_offset, sliding_window, blocks.device)
-    return PrefillPlan(start, end, blocks, seq_len - key_offset, mask)
-
-
-def _plan_decode_group(
-    metadata: CommonAttentionMetadata,
-    members: list[int],
-    query_start_loc: list[int],
-    block_size: int,
-    sliding_window: int | None,
-) -> DecodeGroup:
-    device = metadata.block_table.device
-    member_index = torch.tensor(members, device=device)
-    seq_lens = metadata.seq_lens[member_index].long()
-    num_blocks = cdiv(int(seq_lens.max()), block_size)
-    # Entries past a request's last block, or wholly before its window, may hold anything (a
-    # sliding-window manager may have freed them): point them at block 0, whose keys are masked.
-    block_start = torch.arange(num_blocks, device=device)[None, :] * block_size
-    used = block_start < seq_lens[:, None]
-    if sliding_window is not None:
-        used &= block_start + block_size > seq_lens[:, None] - sliding_window
-    table = metadata.block_table[member_index, :num_blocks].long()
-    blocks = torch.where(used, table, 0).flatten()
-
-    k_pos = torch.arange(num_blocks * block_size, device=device)[None, :]
-    q_pos = (seq_lens - 1)[:, None]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= q_pos - k_pos < sliding_window
-    row_list = [query_start_loc[r] for r in members]
-    rows = torch.tensor(row_list, device=device)
-    in_order = row_list == list(range(len(row_list)))
-    return DecodeGroup(rows, blocks, mask[:, None, None, :], num_blocks, in_order)
-
-
-def visible(
-    first_pos: int, seq_len: int, key_offset: int, sliding_window: int | None, device: torch.device
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
 ) -> torch.Tensor:
-    """[num_queries, num_keys] bool: queries at first_pos.., keys at key_offset.., below seq_len."""
-    q_pos = torch.arange(first_pos, seq_len, device=device)[:, None]
-    k_pos = torch.arange(key_offset, seq_len, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= q_pos - k_pos < sliding_window
-    return mask
+    """softmax(q k^T scale [soft-capped], masked) v over the last two dims; mask None: causal.
+
+    Soft-capped scores are computed eagerly, as HF's eager attention does for Gemma 2: capped and
+    normalized in float32, so a bfloat16 model loses no more than its product's rounding."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, mask, is_causal=mask is None, scale=scale
+        )
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)

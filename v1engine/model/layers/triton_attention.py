@@ -30,6 +30,7 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_KV_SPLITS = 16
 # Stands in for "no sliding window": larger than any position, small enough for int32 math.
 _NO_WINDOW = 1 << 30
+_LOG2_E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -76,10 +77,10 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_range(
-    q, q_pos, kv_lo, kv_hi, sliding_window, qk_scale, key_cache_ptr, value_cache_ptr,
+    q, q_pos, kv_lo, kv_hi, sliding_window, qk_scale, soft_cap, key_cache_ptr, value_cache_ptr,
     block_table_row_ptr, kv_head, stride_cb, stride_cs, stride_ch,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of q ([BLOCK_M, HEAD_PAD]) over keys [kv_lo, kv_hi); returns the
     unnormalized output [BLOCK_M, HEAD_PAD], the running max and the running sum (log2 units)."""
@@ -100,6 +101,8 @@ def _attend_range(
         k = tl.load(key_cache_ptr + key_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
         # [BLOCK_M, BLOCK_N]; ieee keeps fp32 exact on tensor cores (no tf32), ignored otherwise.
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee") * qk_scale
+        if SOFT_CAP:  # Gemma 2's cap * tanh(s / cap), in log2 units as s; tanh x = 2 sig(2x) - 1
+            s = soft_cap * (2.0 * tl.sigmoid(2.0 * s / soft_cap) - 1.0)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         visible &= q_pos[:, None] - offs_n[None, :] < sliding_window
         s = tl.where(visible, s, float("-inf"))
@@ -122,11 +125,11 @@ def _paged_attention_kernel(
     out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale, sliding_window, num_reqs, num_heads, num_kv_splits,
+    qk_scale, soft_cap, sliding_window, num_reqs, num_heads, num_kv_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, WRITE_PARTIALS: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -155,9 +158,10 @@ def _paged_attention_kernel(
     split_lo = kv_lo + split * chunk
     split_hi = tl.minimum(split_lo + chunk, kv_hi)
     acc, m_i, l_i = _attend_range(
-        q, q_pos, split_lo, split_hi, sliding_window, qk_scale, key_cache_ptr, value_cache_ptr,
-        block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, stride_cb, stride_cs, stride_ch,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_DTYPE,
+        q, q_pos, split_lo, split_hi, sliding_window, qk_scale, soft_cap, key_cache_ptr,
+        value_cache_ptr, block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, stride_cb,
+        stride_cs, stride_ch, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_DTYPE,
+        SOFT_CAP,
     )  # fmt: skip
     if WRITE_PARTIALS:  # partials are [num_tokens, num_heads, num_kv_splits(, HEAD_PAD)]
         row = (token * num_heads + head) * num_kv_splits + split
@@ -247,14 +251,17 @@ def paged_attention(
     metadata: CommonAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of every new token over its request's cached keys (new tokens included).
+    """Attention of every new token over its request's cached keys (new tokens included), each
+    score s capped to soft_cap * tanh(s / soft_cap) if given.
 
     query: [num_tokens, num_heads, head_size]; returns out of the same shape and dtype. Rows past
     `query_start_loc[-1]` (padding) come back as zeros. Softmax and accumulation run in fp32.
     """
     config = _choose_launch_config(query, key_cache, metadata)
-    return _paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, config)
+    args = (scale, sliding_window, config, soft_cap)
+    return _paged_attention(query, key_cache, value_cache, metadata, *args)
 
 
 @dataclass(frozen=True)
@@ -302,6 +309,7 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None,
     config: _LaunchConfig,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with the launch configuration chosen by the caller (tests force splits)."""
     _check_attention_inputs(query, key_cache, value_cache, sliding_window, config)
@@ -325,13 +333,14 @@ def _paged_attention(
     _paged_attention_kernel[grid](
         out, partial_acc, partial_max, partial_sum, query, key_cache, value_cache,
         block_table, query_start_loc, metadata.seq_lens,
-        scale * 1.4426950408889634, sliding_window or _NO_WINDOW,  # log2(e): softmax via exp2
+        # log2(e): the softmax runs on exp2, so the scores (and their cap) are in log2 units.
+        scale * _LOG2_E, (soft_cap or 0.0) * _LOG2_E, sliding_window or _NO_WINDOW,
         metadata.num_reqs, num_heads, splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_DTYPE=_dot_dtype(query),
-        WRITE_PARTIALS=splits > 1, num_warps=config.num_warps,
+        WRITE_PARTIALS=splits > 1, SOFT_CAP=soft_cap is not None, num_warps=config.num_warps,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -40,5 +40,8 @@ class TritonAttentionBackend:
         metadata: CommonAttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        return triton_attention.paged_attention(query, *kv_cache, metadata, scale, sliding_window)
+        return triton_attention.paged_attention(
+            query, *kv_cache, metadata, scale, sliding_window, logits_soft_cap
+        )

@@ -1,139 +1,25 @@
-"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-270m, -1b, and the text towers' checkpoints),
-as HF's Gemma3TextModel computes it. Llama's layout with these differences:
-
-- every norm is Gemma's RMSNorm (the checkpoint holds an offset: the scale is 1 + weight), and
-  each layer has four: before and after the attention, before and after the MLP; the outputs of
-  the attention and the MLP are normalized before their residual adds;
-- query and key heads are normalized before RoPE (as Qwen3's), and the attention logits are
-  scaled by `query_pre_attn_scalar ** -0.5` instead of the head size's;
-- layers are "sliding_attention" (a window of `sliding_window` tokens) or "full_attention"
-  (`layer_types`), and each kind has its own RoPE (`rope_parameters` by kind: 10k for the local
-  layers, 1M, perhaps linearly scaled, for the global ones);
-- the embeddings are multiplied by sqrt(hidden_size), in the model's dtype;
-- the MLP's gate is gelu (tanh approximation), not silu.
-Logit soft-capping (Gemma 2's) and bidirectional attention (EmbeddingGemma) are refused: Gemma
-3's generative configs use neither.
+"""Gemma 3, text only (`Gemma3ForCausalLM`: gemma-3-270m, -1b, and the text towers'
+checkpoints), as HF's Gemma3TextModel computes it: Gemma 2's layout (gemma2.py) with query and
+key heads normalized before RoPE (as Qwen3's), and one RoPE per kind of layer
+(`rope_parameters` by kind: 10k for the local layers, 1M, perhaps linearly scaled, for the
+global ones). Its generative configs set no soft-capping; where one does, it applies as Gemma 2's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import nn
-
-from v1engine.model.layers.activation import GeluTanhAndMul
 from v1engine.model.layers.layernorm import GemmaRMSNorm
-from v1engine.model.layers.linear import (
-    VocabParallelEmbedding,
-)
-from v1engine.model.layers.rotary_embedding import CosSin, RotaryEmbedding, RotaryEmbeddingsByKind
-from v1engine.model.models.llama import (
-    DecoderModel,
-    LlamaAttention,
-    LlamaForCausalLM,
-    LlamaMLP,
-    MakeMLP,
-    get_head_size,
-)
+from v1engine.model.layers.rotary_embedding import RotaryEmbedding
+from v1engine.model.models.gemma2 import Gemma2Attention, Gemma2ForCausalLM
 
 
-class Gemma3Attention(LlamaAttention):
+class Gemma3Attention(Gemma2Attention):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str):
         super().__init__(config, layer_idx, rotary_emb, prefix)
         self.q_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
 
-    @staticmethod
-    def softmax_scale(config: Any, head_size: int) -> float:
-        return config.query_pre_attn_scalar**-0.5
 
-
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(
-        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str, mlp: nn.Module
-    ) -> None:
-        super().__init__()
-        self.layer_type = _layer_types(config)[layer_idx]
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.self_attn = Gemma3Attention(config, layer_idx, rotary_emb, f"{prefix}.self_attn")
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.mlp = mlp
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
-
-    def forward(
-        self,
-        cos_sin: dict[str, CosSin],
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        output_rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer's (the residual add fused into the next norm), with the outputs
-        of the attention and the MLP normalized before their adds; `cos_sin` by layer kind."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin[self.layer_type], hidden_states, output_rows)
-        if output_rows is not None:
-            residual = residual[output_rows]
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
-        return hidden_states, residual
-
-
-class Gemma3Model(DecoderModel):
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention], make_mlp: MakeMLP) -> None:
-        super().__init__()
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise ValueError(f"{name} (Gemma 2's soft-capping) is not supported")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError(
-                "use_bidirectional_attention (EmbeddingGemma) is not supported: v1engine's "
-                "attention is causal"
-            )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
-        self.rotary_embs = RotaryEmbeddingsByKind(
-            config, get_head_size(config), _layer_types(config)
-        )
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(
-                config, i, self.rotary_embs[kind], f"model.layers.{i}", make_mlp(config, i)
-            )
-            for i, kind in enumerate(_layer_types(config))
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        # HF scales by sqrt(hidden_size) rounded to the model's dtype.
-        return hidden_states * torch.tensor(self.embed_scale, dtype=hidden_states.dtype)
-
-    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, CosSin]:
-        return self.rotary_embs.cos_sin(positions, dtype)
-
-
-def _layer_types(config: Any) -> list[str]:
-    """Each layer's kind: transformers' Gemma3TextConfig lists them (from `sliding_window_pattern`
-    for configs written before it did), and so does the HFConfig read through it."""
-    return list(config.layer_types)
-
-
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
     attention_cls = Gemma3Attention
-    model_cls = Gemma3Model
-
-    @staticmethod
-    def make_mlp(config: Any, layer_idx: int) -> nn.Module:
-        if config.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"hidden_activation {config.hidden_activation!r} is not supported for Gemma 3; "
-                "only 'gelu_pytorch_tanh' is"
-            )
-        return LlamaMLP(config, act_fn=GeluTanhAndMul())

@@ -191,6 +191,7 @@ class LlamaDecodeStack:
             get_tp_world_size() == 1
             and all(_rotates_whole_heads(layer) for layer in model.layers)  # no NoPE or partial
             and all(layer.residual_multiplier is None for layer in model.layers)  # not Granite
+            and all(layer.self_attn.attn.logits_soft_cap is None for layer in model.layers)
             and all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in tensors)
             and len({m.eps for m in model.modules() if isinstance(m, RMSNorm)}) == 1
         )

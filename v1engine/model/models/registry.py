@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _MODELS = {
+    "Gemma2ForCausalLM": "v1engine.model.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "v1engine.model.models.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": "v1engine.model.models.gpt2:GPT2LMHeadModel",
     "GPTNeoXForCausalLM": "v1engine.model.models.gpt_neox:GPTNeoXForCausalLM",
