@@ -81,13 +81,22 @@ class LogprobsLists:
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
 
+    def rows(self, start: int, stop: int) -> LogprobsLists:
+        """The rows start .. stop - 1."""
+        return LogprobsLists(
+            self.token_ids[start:stop],
+            self.logprobs[start:stop],
+            self.sampled_token_ranks[start:stop],
+        )
+
 
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # Per request in req_ids: the tokens sampled this step ([] for a partial prefill chunk).
     sampled_token_ids: list[list[int]]
-    # Row i belongs to the i-th request that sampled, or None without logprobs.
+    # A row per sampled token, the requests' in req_ids order (a request that verified drafts
+    # has one per token it emitted), or None without logprobs.
     logprobs: LogprobsLists | None = None
     # Per request asking for prompt logprobs and scoring prompt tokens this step: one row per
     # prompt position p run this step, in order, scoring prompt token p + 1 (column 0 and its
@@ -100,19 +109,16 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
 
     def logprobs_by_request(self) -> dict[str, LogprobsLists]:
-        """The step's logprobs as one single-row LogprobsLists per sampling request."""
+        """The step's logprobs per sampling request: a row per token it sampled."""
         lists = self.logprobs
         if lists is None:
             return {}
-        sampling = [r for r, tokens in zip(self.req_ids, self.sampled_token_ids) if tokens]
-        return {
-            req_id: LogprobsLists(
-                token_ids=[lists.token_ids[row]],
-                logprobs=[lists.logprobs[row]],
-                sampled_token_ranks=[lists.sampled_token_ranks[row]],
-            )
-            for row, req_id in enumerate(sampling)
-        }
+        by_request, row = {}, 0
+        for req_id, tokens in zip(self.req_ids, self.sampled_token_ids):
+            if tokens:
+                by_request[req_id] = lists.rows(row, row + len(tokens))
+                row += len(tokens)
+        return by_request
 
 
 # -- what users get ------------------------------------------------------------------------------

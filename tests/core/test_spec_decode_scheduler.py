@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tests.core.fake_worker import make_request, make_scheduler
 from v1engine.core.scheduler import Scheduler
-from v1engine.outputs import ModelRunnerOutput, SchedulerOutput
+from v1engine.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 
 def _reply(
@@ -14,12 +14,14 @@ def _reply(
     scheduler_output: SchedulerOutput,
     tokens: dict[str, list[int]],
     drafts: dict[str, list[int]],
+    logprobs: LogprobsLists | None = None,
 ):
     """The workers' reply to a step: `tokens` per request, and `drafts` for their next step."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
     reply = ModelRunnerOutput(
         req_ids,
         [tokens.get(r, []) for r in req_ids],
+        logprobs,
         spec_token_ids=[drafts.get(r, []) for r in req_ids],
     )
     return scheduler.update_from_output(scheduler_output, reply)
@@ -115,3 +117,22 @@ def test_drafts_are_dropped_before_anyone_is_preempted_for_them() -> None:
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
     assert not out.scheduled_spec_decode_tokens and not out.preempted_req_ids
     assert scheduler.make_stats().num_preemptions == 0
+
+
+def test_each_emitted_token_keeps_its_logprobs_row_up_to_a_stop_among_the_drafts() -> None:
+    scheduler = make_scheduler(block_size=4)
+    a = make_request("a", [1, 2, 3], max_tokens=20, stop_token_ids=[8], logprobs=1)
+    b = make_request("b", [1, 2], max_tokens=20, ignore_eos=True, logprobs=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    _reply(scheduler, scheduler.schedule(), {"a": [5], "b": [5]}, {"a": [7, 8, 9]})
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [7, 8, 9]}
+    # A row per emitted token, a's three then b's one: a's token after the stop goes, and so
+    # does its row.
+    rows = LogprobsLists([[t, t] for t in (7, 8, 30, 6)], [[-0.1, -0.1]] * 4, [1, 2, 3, 4])
+    outputs = _reply(scheduler, out, {"a": [7, 8, 30], "b": [6]}, {}, rows)
+    by_id = {output.request_id: output for output in outputs.outputs}
+    assert by_id["a"].new_token_ids == [7, 8] and by_id["a"].finish_reason is not None
+    assert by_id["a"].new_logprobs == rows.rows(0, 2)
+    assert by_id["b"].new_token_ids == [6] and by_id["b"].new_logprobs == rows.rows(3, 4)

@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram drafts) end to end on a tiny random llama: greedy tokens equal
 plain decoding's, with drafts accepted and rejected, beside requests that do not speculate
-(logprobs, penalties), under preemption and at tensor-parallel size 2; sampled tokens keep
-their distribution."""
+(penalties), under preemption and at tensor-parallel size 2; sampled tokens keep their
+distribution; requests with logprobs speculate and get every token's logprobs."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # The tiny model's greedy output falls into loops, which the drafts then predict.
 LOOPING = PROMPTS + [[5, 6, 7, 8] * 6]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-# Beside the speculating requests: two that never get drafts.
+# Beside a speculating request, one that never gets drafts.
 MIXED = [
     GREEDY,
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
 ]
 
@@ -66,15 +65,36 @@ def test_greedy_tokens_equal_plain_decoding(plain: LLM, spec: LLM, caplog) -> No
     assert any(line.startswith("SpecDecoding metrics: Mean acceptance length") for line in lines)
 
 
-def test_requests_without_drafts_keep_their_logprobs_and_penalties(plain: LLM, spec: LLM) -> None:
-    prompts = [LOOPING[-1]] * 3
+def test_requests_without_drafts_keep_their_penalties(plain: LLM, spec: LLM) -> None:
+    prompts = [LOOPING[-1]] * 2
     expected = plain.generate(prompts, MIXED, use_tqdm=False)
-    got = spec.generate(prompts, MIXED, use_tqdm=False)
+    assert token_ids(spec.generate(prompts, MIXED, use_tqdm=False)) == token_ids(expected)
+
+
+def test_requests_with_logprobs_speculate_and_get_every_tokens_logprobs(
+    plain: LLM, spec: LLM
+) -> None:
+    """Each emitted token's logprobs come from the row that sampled it, accepted drafts
+    included; a stop among accepted drafts drops the rows after it with the tokens."""
+    loop = LOOPING[-1]
+    stop_at = token_ids(plain.generate([loop], GREEDY, use_tqdm=False))[0][20]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_at], logprobs=0),
+    ]
+    expected = plain.generate([loop, loop], params, use_tqdm=False)
+    accepted = _spec_stats(spec)[1]
+    got = spec.generate([loop, loop], params, use_tqdm=False)
+    assert _spec_stats(spec)[1] > accepted  # they did speculate
     assert token_ids(got) == token_ids(expected)
-    assert got[0].outputs[0].logprobs is None
-    for want, have in zip(expected[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
-        assert want.keys() == have.keys()
-        assert all(abs(want[t].logprob - have[t].logprob) < 1e-4 for t in want)
+    for want, have in zip(expected, got):
+        want, have = want.outputs[0], have.outputs[0]
+        assert len(have.logprobs) == len(have.token_ids)
+        for token, want_row, have_row in zip(have.token_ids, want.logprobs, have.logprobs):
+            assert want_row.keys() == have_row.keys() and token in have_row
+            assert all(abs(want_row[t].logprob - have_row[t].logprob) < 1e-4 for t in want_row)
+            assert all(want_row[t].rank == have_row[t].rank for t in want_row)
+        assert abs(want.cumulative_logprob - have.cumulative_logprob) < 1e-3
 
 
 def test_sampled_tokens_keep_their_distribution(plain: LLM, spec: LLM) -> None:

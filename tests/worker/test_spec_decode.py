@@ -17,7 +17,13 @@ from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
 from v1engine.worker.model_inputs import build_model_inputs
 from v1engine.worker.request_states import InputBatch, RequestStates
-from v1engine.worker.spec_decode import emitted_tokens, expand_rows, ngram_drafts, speculates
+from v1engine.worker.spec_decode import (
+    emitted_rows,
+    emitted_tokens,
+    expand_rows,
+    ngram_drafts,
+    speculates,
+)
 
 
 def _drafts(tokens: list[int], min_n: int = 1, max_n: int = 3, k: int = 3) -> list[int]:
@@ -48,15 +54,22 @@ def test_emitted_tokens_take_drafts_up_to_the_first_the_model_did_not_sample() -
 def test_expanded_rows_repeat_each_state_and_move_the_grammar_rows() -> None:
     states = ["a", "b", "c"]
     bitmask = torch.zeros(1, 4, dtype=torch.int32)
-    rows, grammar, first = expand_rows(states, [[1, 2], [], [3]], ([1], bitmask))
-    assert rows == ["a", "a", "a", "b", "c", "c"] and first == [0, 3, 4]
+    rows, grammar = expand_rows(states, [[1, 2], [], [3]], ([1], bitmask))
+    assert rows == ["a", "a", "a", "b", "c", "c"]
     assert grammar[0] == [3] and grammar[1] is bitmask
+
+
+def test_emitted_rows_are_the_rows_that_sampled_each_emitted_token() -> None:
+    drafts = [[5, 6, 7], [], [9, 9]]
+    emitted = emitted_tokens(drafts, [5, 6, 1, 2, 3, 9, 9, 4])  # [[5, 6, 1], [3], [9, 9, 4]]
+    assert emitted_rows(drafts, emitted) == [0, 1, 2, 4, 5, 6, 7]
+    assert emitted_rows([[5, 6]], [[8]]) == [0]  # the first draft rejected
 
 
 def test_who_speculates() -> None:
     assert speculates(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
+    assert speculates(SamplingParams(logprobs=2))  # each token's come from its own row
     for params in (
-        SamplingParams(logprobs=2),
         SamplingParams(repetition_penalty=1.1),
         SamplingParams(logit_bias={1: 2.0}),
         SamplingParams(min_tokens=2),

@@ -341,7 +341,7 @@ class Scheduler:
             new_token_ids=new_token_ids,
             finish_reason=request.get_finish_reason(),
             stop_reason=request.stop_reason,
-            new_logprobs=logprobs,
+            new_logprobs=None if logprobs is None else logprobs.rows(0, len(new_token_ids)),
             new_prompt_logprobs=prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
             queued_ts=request.queued_ts if first else 0.0,

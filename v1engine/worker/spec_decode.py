@@ -18,8 +18,9 @@ the token is distributed as p without x, renormalized. So every emitted token is
 exactly as without drafts, and greedy outputs are identical.
 
 Only requests whose next-token distribution depends on nothing but the logits get drafts: no
-penalties, logit bias, token masks or min_tokens, grammar, or logprobs (each would need the
-drafts in the sampler's per-row state); the others decode a token a step beside them.
+penalties, logit bias, token masks or min_tokens, or grammar (each would need the drafts in the
+sampler's per-row state); the others decode a token a step beside them. Logprobs are no
+obstacle: each emitted token's come from the row that sampled it (`emitted_rows`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,7 @@ from v1engine.worker.request_states import CachedRequestState, InputBatch
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters gets drafts (see the module docstring)."""
-    return (
-        params.structured_outputs is None
-        and params.logprobs is None
-        and not has_penalties(params)
-        and not has_masks(params)
-    )
+    return params.structured_outputs is None and not has_penalties(params) and not has_masks(params)
 
 
 def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -89,17 +85,16 @@ def expand_rows(
     states: list[CachedRequestState],
     drafts: list[list[int]],
     grammar_bitmask: tuple[list[int], torch.Tensor] | None,
-) -> tuple[list[CachedRequestState], tuple[list[int], torch.Tensor] | None, list[int]]:
+) -> tuple[list[CachedRequestState], tuple[list[int], torch.Tensor] | None]:
     """Per logits row, the request state it samples for (one row per sampling request and one
-    more per draft); the grammar bitmask's sampling rows as logits rows; and each request's
-    first logits row."""
+    more per draft), and the grammar bitmask's sampling rows as logits rows."""
     counts = [len(request_drafts) + 1 for request_drafts in drafts]
-    first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
     row_states = [state for state, count in zip(states, counts) for _ in range(count)]
     if grammar_bitmask is not None:  # requests with a grammar have no drafts
         rows, bitmask = grammar_bitmask
-        grammar_bitmask = ([first_rows[row] for row in rows], bitmask)
-    return row_states, grammar_bitmask, first_rows
+        first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+        grammar_bitmask = (first_rows[rows].tolist(), bitmask)
+    return row_states, grammar_bitmask
 
 
 def emitted_tokens(drafts: list[list[int]], sampled: list[int]) -> list[list[int]]:
@@ -117,3 +112,13 @@ def emitted_tokens(drafts: list[list[int]], sampled: list[int]) -> list[list[int
         out.append(request_drafts[:num_accepted] + [sampled[base + num_accepted]])
         base += len(request_drafts) + 1
     return out
+
+
+def emitted_rows(drafts: list[list[int]], emitted: list[list[int]]) -> list[int]:
+    """The logits rows that sampled the emitted tokens (`emitted_tokens`' result): a request's
+    i-th emitted token is its i-th row's sample, the accepted drafts included."""
+    rows, base = [], 0
+    for request_drafts, tokens in zip(drafts, emitted, strict=True):
+        rows.extend(range(base, base + len(tokens)))
+        base += len(request_drafts) + 1
+    return rows

@@ -23,7 +23,7 @@ from v1engine.worker.model_inputs import (
     to_logprobs_lists,
 )
 from v1engine.worker.request_states import RequestStates
-from v1engine.worker.spec_decode import emitted_tokens, expand_rows
+from v1engine.worker.spec_decode import emitted_rows, emitted_tokens, expand_rows
 
 
 class StepSampler:
@@ -52,8 +52,9 @@ class StepSampler:
         scheduler_output: SchedulerOutput,
     ) -> tuple[list[list[int]], LogprobsLists | None]:
         """Per request, the tokens it samples ([] for a partial prefill chunk; the accepted
-        drafts and one more with drafts), and the sampling requests' logprobs (a row each).
-        `hidden`: the hidden states of the rows the LM head reads."""
+        drafts and one more with drafts), and the logprobs of those tokens (a row each, in
+        order), when any request asks for them. `hidden`: the hidden states of the rows the LM
+        head reads."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         if not inputs.sampling_rows:  # only partial prefill chunks
             return sampled, None
@@ -79,7 +80,14 @@ class StepSampler:
         per_request = [[t] for t in tokens] if drafts is None else emitted_tokens(drafts, tokens)
         for row, emitted in zip(inputs.sampling_rows, per_request, strict=True):
             sampled[row] = emitted
-        return sampled, logprobs
+        if logprobs is not None and drafts is not None:  # only the emitted tokens' rows
+            rows = torch.tensor(emitted_rows(drafts, per_request), device=hidden.device)
+            logprobs = LogprobsTensors(
+                logprobs.token_ids[rows],
+                logprobs.logprobs[rows],
+                logprobs.sampled_token_ranks[rows],
+            )
+        return sampled, to_logprobs_lists(logprobs)
 
     def _driver_sample(
         self,
@@ -88,26 +96,18 @@ class StepSampler:
         states: RequestStates,
         drafts: list[list[int]] | None,
         scheduler_output: SchedulerOutput,
-    ) -> tuple[torch.Tensor, LogprobsLists | None]:
-        """Each row's token [rows] and the sampling requests' logprobs, on the driver."""
+    ) -> tuple[torch.Tensor, LogprobsTensors | None]:
+        """Each logits row's token [rows] and logprobs, on the driver."""
         row_states = [states.requests[req_id] for req_id in sampling_req_ids]
         bitmask = grammar_bitmask_rows(sampling_req_ids, scheduler_output)
-        first_rows = None
         if drafts is not None:
-            row_states, bitmask, first_rows = expand_rows(row_states, drafts, bitmask)
+            row_states, bitmask = expand_rows(row_states, drafts, bitmask)
         metadata = build_sampling_metadata(row_states, self.vocab_size, hidden.device, bitmask)
         token_ids = self._greedy_screen(hidden, metadata)
         if token_ids is not None:
             return token_ids, None
         output = self.sampler(self.model.compute_logits(hidden), metadata)
-        logprobs = output.logprobs
-        if logprobs is not None and first_rows is not None:  # a row per request
-            logprobs = LogprobsTensors(
-                logprobs.token_ids[first_rows],
-                logprobs.logprobs[first_rows],
-                logprobs.sampled_token_ranks[first_rows],
-            )
-        return output.sampled_token_ids, to_logprobs_lists(logprobs)
+        return output.sampled_token_ids, output.logprobs
 
     def _greedy_screen(
         self, hidden: torch.Tensor, metadata: SamplingMetadata
