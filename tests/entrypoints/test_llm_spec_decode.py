@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram drafts) end to end on a tiny random llama: greedy tokens equal
-plain decoding's, with drafts accepted and rejected, beside requests that do not speculate
-(penalties), under preemption and at tensor-parallel size 2; sampled tokens keep their
-distribution; requests with logprobs speculate and get every token's logprobs."""
+plain decoding's, with drafts accepted and rejected, with penalties, min_tokens and logit bias,
+under preemption and at tensor-parallel size 2; sampled tokens keep their distribution;
+requests with logprobs get every token's logprobs."""
 
 from __future__ import annotations
 
@@ -20,11 +20,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # The tiny model's greedy output falls into loops, which the drafts then predict.
 LOOPING = PROMPTS + [[5, 6, 7, 8] * 6]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-# Beside a speculating request, one that never gets drafts.
-MIXED = [
-    GREEDY,
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
-]
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +60,28 @@ def test_greedy_tokens_equal_plain_decoding(plain: LLM, spec: LLM, caplog) -> No
     assert any(line.startswith("SpecDecoding metrics: Mean acceptance length") for line in lines)
 
 
-def test_requests_without_drafts_keep_their_penalties(plain: LLM, spec: LLM) -> None:
-    prompts = [LOOPING[-1]] * 2
-    expected = plain.generate(prompts, MIXED, use_tqdm=False)
-    assert token_ids(spec.generate(prompts, MIXED, use_tqdm=False)) == token_ids(expected)
+def test_penalties_and_masks_see_the_drafts_before_each_row(plain: LLM, spec: LLM) -> None:
+    """Each verifying row penalizes, and counts toward min_tokens, the drafts before it: the
+    tokens are plain decoding's, with drafts accepted."""
+    loop = LOOPING[-1]
+    stop_at = token_ids(plain.generate([loop], GREEDY, use_tqdm=False))[0][4]
+    greedy = dict(max_tokens=40, temperature=0.0)
+    # A frequency penalty of 0.1 changes these prompts' tokens if a row leaves out the drafts
+    # before it (checked by breaking `after_drafts`).
+    frequency = SamplingParams(**greedy, ignore_eos=True, frequency_penalty=0.1)
+    params = [
+        frequency,
+        frequency,
+        SamplingParams(**greedy, ignore_eos=True, repetition_penalty=1.05, presence_penalty=0.1),
+        # The stop token would end it at once; min_tokens bans it until the 30th token.
+        SamplingParams(**greedy, stop_token_ids=[stop_at], min_tokens=30),
+        SamplingParams(**greedy, ignore_eos=True, logit_bias={stop_at: -1.0}),
+    ]
+    prompts = [loop, [8] * 20] + [loop] * 3
+    expected = token_ids(plain.generate(prompts, params, use_tqdm=False))
+    accepted = _spec_stats(spec)[1]
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == expected
+    assert _spec_stats(spec)[1] > accepted
 
 
 def test_requests_with_logprobs_speculate_and_get_every_tokens_logprobs(

@@ -15,8 +15,9 @@ from v1engine.kv_cache_interface import FullAttentionSpec
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
 from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
+from v1engine.structured_outputs.params import StructuredOutputsParams
 from v1engine.worker.model_inputs import build_model_inputs
-from v1engine.worker.request_states import InputBatch, RequestStates
+from v1engine.worker.request_states import CachedRequestState, InputBatch, RequestStates
 from v1engine.worker.spec_decode import (
     emitted_rows,
     emitted_tokens,
@@ -51,12 +52,27 @@ def test_emitted_tokens_take_drafts_up_to_the_first_the_model_did_not_sample() -
     assert emitted_tokens([[5]], [6, 7]) == [[6]]  # the first draft rejected
 
 
+def _state(req_id: str, **params) -> CachedRequestState:
+    return CachedRequestState(req_id, [1, 2], SamplingParams(**params), None, [[]], 2, [3])
+
+
 def test_expanded_rows_repeat_each_state_and_move_the_grammar_rows() -> None:
-    states = ["a", "b", "c"]
+    states = [_state("a"), _state("b"), _state("c")]
     bitmask = torch.zeros(1, 4, dtype=torch.int32)
     rows, grammar = expand_rows(states, [[1, 2], [], [3]], ([1], bitmask))
-    assert rows == ["a", "a", "a", "b", "c", "c"]
+    assert [row.req_id for row in rows] == ["a", "a", "a", "b", "c", "c"]
+    assert all(row is states[0] for row in rows[:3])  # nothing reads the output: no copies
     assert grammar[0] == [3] and grammar[1] is bitmask
+
+
+def test_rows_after_drafts_see_them_in_the_output_where_the_sampler_reads_it() -> None:
+    """Penalties, min_tokens and bad words at row i count the drafts before it."""
+    for params in ({"repetition_penalty": 1.2}, {"min_tokens": 3}, {"frequency_penalty": 0.5}):
+        state = _state("a", **params)
+        rows, _ = expand_rows([state], [[7, 8]], None)
+        assert [row.output_token_ids for row in rows] == [[3], [3, 7], [3, 7, 8]]
+        assert rows[0] is state and state.output_token_ids == [3]
+        assert [row.sampling_params for row in rows] == [state.sampling_params] * 3
 
 
 def test_emitted_rows_are_the_rows_that_sampled_each_emitted_token() -> None:
@@ -69,12 +85,8 @@ def test_emitted_rows_are_the_rows_that_sampled_each_emitted_token() -> None:
 def test_who_speculates() -> None:
     assert speculates(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
     assert speculates(SamplingParams(logprobs=2))  # each token's come from its own row
-    for params in (
-        SamplingParams(repetition_penalty=1.1),
-        SamplingParams(logit_bias={1: 2.0}),
-        SamplingParams(min_tokens=2),
-    ):
-        assert not speculates(params), params
+    assert speculates(SamplingParams(repetition_penalty=1.1, min_tokens=2, logit_bias={1: 2.0}))
+    assert not speculates(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
 
 
 def test_the_lm_head_reads_the_last_known_token_and_every_draft() -> None:

@@ -17,13 +17,16 @@ decoding (Leviathan et al., Chen et al., 2023): draft x is kept with probability
 the token is distributed as p without x, renormalized. So every emitted token is distributed
 exactly as without drafts, and greedy outputs are identical.
 
-Only requests whose next-token distribution depends on nothing but the logits get drafts: no
-penalties, logit bias, token masks or min_tokens, or grammar (each would need the drafts in the
-sampler's per-row state); the others decode a token a step beside them. Logprobs are no
-obstacle: each emitted token's come from the row that sampled it (`emitted_rows`).
+A row samples with what its prefix implies: penalties, min_tokens and bad words read the
+request's output followed by the drafts before that row (`expand_rows`), and each emitted
+token's logprobs are those of the row that sampled it (`emitted_rows`). Requests with a grammar
+get no drafts (its bitmask would have to be advanced over each draft, in the engine core); they
+decode a token a step beside the others.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -36,7 +39,7 @@ from v1engine.worker.request_states import CachedRequestState, InputBatch
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request with these parameters gets drafts (see the module docstring)."""
-    return params.structured_outputs is None and not has_penalties(params) and not has_masks(params)
+    return params.structured_outputs is None
 
 
 def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -87,14 +90,28 @@ def expand_rows(
     grammar_bitmask: tuple[list[int], torch.Tensor] | None,
 ) -> tuple[list[CachedRequestState], tuple[list[int], torch.Tensor] | None]:
     """Per logits row, the request state it samples for (one row per sampling request and one
-    more per draft), and the grammar bitmask's sampling rows as logits rows."""
+    more per draft, with the drafts before it: `after_drafts`), and the grammar bitmask's
+    sampling rows as logits rows."""
     counts = [len(request_drafts) + 1 for request_drafts in drafts]
-    row_states = [state for state, count in zip(states, counts) for _ in range(count)]
+    row_states = [
+        after_drafts(state, request_drafts[:i])
+        for state, request_drafts in zip(states, drafts)
+        for i in range(len(request_drafts) + 1)
+    ]
     if grammar_bitmask is not None:  # requests with a grammar have no drafts
         rows, bitmask = grammar_bitmask
         first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
         grammar_bitmask = (first_rows[rows].tolist(), bitmask)
     return row_states, grammar_bitmask
+
+
+def after_drafts(state: CachedRequestState, drafts: list[int]) -> CachedRequestState:
+    """The state a row after `drafts` samples from: its output followed by them, where the
+    sampler reads the output (penalties, min_tokens, bad words); else the state itself."""
+    params = state.sampling_params
+    if not drafts or not (has_penalties(params) or has_masks(params)):
+        return state
+    return dataclasses.replace(state, output_token_ids=state.output_token_ids + drafts)
 
 
 def emitted_tokens(drafts: list[list[int]], sampled: list[int]) -> list[list[int]]:
