@@ -8,13 +8,13 @@ embeddings, MHA), llama3_rope (llama3 rope scaling), qwen2 (q/k/v bias), qwen2_h
 window on layers >= 1 only), qwen3 (per-head q/k norm, head_dim != hidden/heads), qwen3_yarn (qwen3
 with YaRN rope scaling), mistral (sliding window 8, shorter than the test prompts), gemma2 (Gemma
 2's soft-capped attention and final logits), gemma3 (Gemma 3's layout: local and global layers,
-offset norms, gelu), smollm3 (a NoPE layer in four), granite (its multipliers), qwen3_moe, qwen2_moe
-(with a shared expert) and mixtral (experts in every layer), phi3 (Phi-4-mini's fused projections,
-partial longrope), gpt2 (learned positions, LayerNorm, Conv1D weights), gpt_neox and
-gpt_neox_chained (Pythia's partial RoPE, parallel or chained residual), phi (Phi-2's parallel
-blocks, biased LM head), olmo2 (q/k norms over whole projections, post-norms) and olmo3 (with
-sliding layers). Weights are drawn with a larger spread than HF's init so logits are far from ties
-and greedy decoding is a meaningful check.
+offset norms, gelu), starcoder2 (LayerNorms, biases, a window on every layer), smollm3 (a NoPE layer
+in four), granite (its multipliers), qwen3_moe, qwen2_moe (with a shared expert) and mixtral
+(experts in every layer), phi3 (Phi-4-mini's fused projections, partial longrope), gpt2 (learned
+positions, LayerNorm, Conv1D weights), gpt_neox and gpt_neox_chained (Pythia's partial RoPE,
+parallel or chained residual), phi (Phi-2's parallel blocks, biased LM head), olmo2 (q/k norms over
+whole projections, post-norms) and olmo3 (with sliding layers). Weights are drawn with a larger
+spread than HF's init so logits are far from ties and greedy decoding is a meaningful check.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ CHECKPOINT_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
             final_logit_softcapping=10.0,
         ),
     ),
+    # StarCoder 2: LayerNorms, biased projections, a plain gelu MLP, a window over every layer.
+    "starcoder2": ("Starcoder2Config", dict(sliding_window=8, norm_epsilon=1e-5)),
     "gemma3": (
         "Gemma3TextConfig",
         dict(

@@ -177,7 +177,7 @@ def test_unknown_architecture_lists_supported():
     assert get_model_class("Qwen3Model").__name__ == "Qwen3ForCausalLM"
     # So does a sequence classifier (the loader adds its score head).
     assert get_model_class("Qwen2ForSequenceClassification").__name__ == "Qwen2ForCausalLM"
-    assert len(supported_architectures()) == 25
+    assert len(supported_architectures()) == 26
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

@@ -47,6 +47,7 @@ TP_CASES = {
     "gpt2": {},
     "gpt_neox": {},
     "phi": {},
+    "starcoder2": {},
 }
 
 

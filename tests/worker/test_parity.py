@@ -36,7 +36,7 @@ TINY_ATOL = 1e-4
 SMOLLM2_ATOL = 5e-4
 ARCHS = ["llama", "llama_tied", "qwen2", "qwen3", "mistral", "qwen2_hybrid"]
 ARCHS += ["gemma3", "smollm3", "granite", "qwen3_moe", "qwen2_moe", "mixtral", "phi3"]
-ARCHS += ["olmo2", "gpt2", "phi", "gemma2"]
+ARCHS += ["olmo2", "gpt2", "phi", "gemma2", "starcoder2"]
 
 
 @pytest.fixture(scope="module")

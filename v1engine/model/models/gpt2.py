@@ -95,15 +95,18 @@ GELUS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 
 class GeluMLP(nn.Module):
-    """fc2(gelu(fc1(x))), both biased: GPT-2's, GPT-NeoX's and Phi's MLP (their checkpoints'
-    names for fc1 and fc2 are mapped to these as they load)."""
+    """fc2(gelu(fc1(x))), both biased (unless `bias` is False): GPT-2's, GPT-NeoX's, Phi's and
+    StarCoder 2's MLP (their checkpoints' names for fc1 and fc2 are mapped to these as they
+    load)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = True
+    ) -> None:
         super().__init__()
         if hidden_act not in GELUS:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported; only {tuple(GELUS)}")
-        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=True)
-        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=True)
+        self.fc1 = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias)
+        self.fc2 = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.approximate = GELUS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

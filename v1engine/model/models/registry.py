@@ -30,6 +30,7 @@ _MODELS = {
     "Qwen3ForCausalLM": "v1engine.model.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "v1engine.model.models.qwen3_moe:Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM": "v1engine.model.models.smollm3:SmolLM3ForCausalLM",
+    "Starcoder2ForCausalLM": "v1engine.model.models.starcoder2:Starcoder2ForCausalLM",
 }
 
 # Base models (transformers' AutoModel: no LM head, tensor names without "model."), which serve
