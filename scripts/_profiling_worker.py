@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from v1engine.worker import gpu_model_runner
+from v1engine.worker import gpu_model_runner, step_sampler
 from v1engine.worker.gpu_worker import Worker
 
 # Leaf module class name -> the row it is counted in.
@@ -67,12 +67,14 @@ class ProfilingWorker(Worker):
         self._steps: dict[str, int] = defaultdict(int)
         self._current: dict[str, float] = defaultdict(float)
         runner = self.model_runner
-        for name in ("_update_states", "_forward", "_sample"):
+        for name in ("_update_states", "_forward"):
             setattr(runner, name, self._timed(name.strip("_"), getattr(runner, name)))
-        self._wrap_module_function("build_model_inputs", "build model inputs")
-        self._wrap_module_function("compute_prompt_logprobs", "prompt_logprobs")
-        self._wrap_module_function("build_sampling_metadata", "sampling metadata")
-        runner.sampler = self._timed("sampler", runner.sampler)
+        sampler = runner.step_sampler
+        sampler.sample = self._timed("sample", sampler.sample)
+        self._wrap_module_function(gpu_model_runner, "build_model_inputs", "build model inputs")
+        self._wrap_module_function(gpu_model_runner, "compute_prompt_logprobs", "prompt_logprobs")
+        self._wrap_module_function(step_sampler, "build_sampling_metadata", "sampling metadata")
+        sampler.sampler = self._timed("sampler", sampler.sampler)
         self._hook_leaves(runner.model)
         inner = getattr(runner.model, "model", None)
         if hasattr(inner, "decode_stack"):
@@ -82,8 +84,8 @@ class ProfilingWorker(Worker):
         original_logits = runner.model.compute_logits
         runner.model.compute_logits = self._timed("lm head (logits)", original_logits)
 
-    def _wrap_module_function(self, name: str, label: str) -> None:
-        setattr(gpu_model_runner, name, self._timed(label, getattr(gpu_model_runner, name)))
+    def _wrap_module_function(self, module: Any, name: str, label: str) -> None:
+        setattr(module, name, self._timed(label, getattr(module, name)))
 
     def _timed(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
