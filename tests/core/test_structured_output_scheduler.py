@@ -1,7 +1,8 @@
 """The scheduler with a real StructuredOutputManager (real xgrammar, SmolLM2's real tokenizer) and
 the fake worker: requests wait for their grammar without holding up the queue, only structured
 requests that sample get a bitmask row (none for a partial prefill chunk), matchers survive
-preemption, a terminated grammar stops its request, a failed or slow compile ends it with "error".
+preemption, a terminated grammar stops its request, a failed or slow compile ends it with "error",
+drafts are checked against the grammar and get a bitmask row each.
 
 The "model" samples a random token among those its bitmask row allows, so what comes out must
 fit the grammar whatever the chunking and preemption did.
@@ -29,6 +30,7 @@ from v1engine.core.scheduler import Scheduler
 from v1engine.core.structured_output_manager import StructuredOutputManager
 from v1engine.core_protocol import EngineCoreInfo
 from v1engine.model.hf_config import default_model_path, prepare_checkpoint
+from v1engine.outputs import ModelRunnerOutput
 from v1engine.request import EngineCoreRequest, FinishReason, RequestStatus, validate_request
 from v1engine.sampling_params import SamplingParams
 from v1engine.structured_outputs import StructuredOutputsParams
@@ -210,3 +212,59 @@ def test_a_reasoning_end_token_outside_the_vocabulary_is_refused() -> None:
     request = EngineCoreRequest("r", [1, 2], SamplingParams(structured_outputs=structured))
     with pytest.raises(ValueError, match=r"structured_outputs has token ids \[1000000\]"):
         validate_request(request, EngineCoreInfo(0, 16, 128, 49152), set())
+
+
+def _allowed(bitmask_row: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")))
+
+
+def test_drafts_are_kept_up_to_the_first_the_grammar_rejects_with_a_bitmask_row_each(
+    tokenizer,
+) -> None:
+    """Speculative decoding with a grammar: the drafts after the first the regex rejects are
+    dropped; the step carries a bitmask row for the last known token and each draft, each what
+    the grammar allows after the drafts before it; the matcher is left as it was."""
+    scheduler, manager = make_structured_scheduler(tokenizer)
+    a, b, c, dash, x, one = tokenizer.convert_tokens_to_ids(["a", "b", "c", "-", "x", "1"])
+    request = regex_request("r", [5, 6, 7], ignore_eos=True)
+    scheduler.add_request(request)
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    out = scheduler.schedule()
+    reply = ModelRunnerOutput(["r"], [[a]], spec_token_ids=[[b, c, dash, x, one]])
+    scheduler.update_from_output(out, reply)
+    assert request.spec_token_ids == [b, c, dash]  # "x" cannot follow "abc-"
+
+    out = scheduler.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [b, c, dash]}
+    assert out.structured_output_request_ids == {"r": 0} and len(out.grammar_bitmask) == 4
+    rows = [_allowed(row) for row in out.grammar_bitmask]
+    assert dash not in rows[0] and b in rows[0]  # "a" alone: two letters at least
+    assert dash in rows[1] and dash in rows[2]  # "ab", "abc"
+    assert one in rows[3] and a not in rows[3]  # "abc-": digits only
+    matcher = request.structured_output_request.matcher
+    assert matcher.accept_token(dash) is False and matcher.accept_token(b)  # still after "a"
+    matcher.rollback(1)
+
+    # The model agreed with "b", then sampled "-" where "c" was drafted.
+    outputs = scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[b, dash]]))
+    assert outputs.outputs[0].new_token_ids == [b, dash]
+    assert matcher.accept_token(one)  # the matcher followed "ab-"
+    manager.shutdown()
+
+
+def test_drafts_of_a_thinking_request_are_free_up_to_the_end_token(tokenizer) -> None:
+    scheduler, manager = make_structured_scheduler(tokenizer)
+    a, b, dash, x = tokenizer.convert_tokens_to_ids(["a", "b", "-", "x"])
+    params = StructuredOutputsParams(regex=REGEX, _reasoning_end_token_id=THINK_END_ID)
+    request = make_request("r", [5, 6, 7], max_tokens=40, structured_outputs=params)
+    scheduler.add_request(request)
+    manager.wait_for_grammars(scheduler.waiting, 60)
+    out = scheduler.schedule()
+    drafts = [x, THINK_END_ID, a, b, dash, x]
+    scheduler.update_from_output(out, ModelRunnerOutput(["r"], [[x]], spec_token_ids=[drafts]))
+    assert request.spec_token_ids == drafts[:5]  # "x" cannot follow "ab-"
+    rows = [_allowed(row) for row in scheduler.schedule().grammar_bitmask]
+    assert len(rows) == 6 and len(rows[0]) == len(rows[1]) == len(tokenizer)  # thinking
+    assert x in rows[1] and x not in rows[2] and dash not in rows[3] and dash in rows[4]
+    assert request.structured_output_request.reasoning_end_token_id == THINK_END_ID
+    manager.shutdown()

@@ -1,7 +1,7 @@
 """Structured outputs end to end through `LLM` on a random 2-layer llama with SmolLM2's tokenizer:
 a random model constrained by a grammar still produces output that fits it. 50 prompts x 3 JSON
 schemas (nested objects, arrays, enums, required fields), choice, regex, a grammar, chat, n > 1
-with a seed, a mixed batch, invalid grammars, and TP=2 against TP=1.
+with a seed, a mixed batch, invalid grammars, TP=2 against TP=1, and speculative decoding.
 
 The schemas bound every string, number and array, and whitespace is off, so every output ends
 (the grammar's stop token) well within max_tokens.
@@ -181,3 +181,25 @@ def test_greedy_outputs_match_at_tp2(llm, checkpoint) -> None:
     with LLM(checkpoint, tensor_parallel_size=2, **_ENGINE_ARGS) as tp2_llm:
         tp2 = [texts(tp2_llm.generate(prompts, params, use_tqdm=False)) for params in per_schema]
     assert tp1 == tp2
+
+
+def test_speculative_decoding_keeps_greedy_outputs_in_the_grammar(llm, checkpoint) -> None:
+    """n-gram drafts for structured requests: the core keeps those the grammar accepts and
+    sends a bitmask row for each; greedy outputs are plain decoding's, sampled ones fit."""
+    prompts = PROMPTS[:6]
+    per_schema = [constrained(json=s) for s in (NESTED, ARRAYS, ENUMS)] + [constrained(regex=REGEX)]
+    plain = [texts(llm.generate(prompts, params, use_tqdm=False)) for params in per_schema]
+    spec_config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with LLM(checkpoint, speculative_config=spec_config, **_ENGINE_ARGS) as spec_llm:
+        spec = [texts(spec_llm.generate(prompts, p, use_tqdm=False)) for p in per_schema]
+        sampled = SamplingParams(
+            temperature=1.0,
+            seed=3,
+            max_tokens=80,
+            structured_outputs=StructuredOutputsParams(json=NESTED, disable_any_whitespace=True),
+        )
+        for text in texts(spec_llm.generate(PROMPTS[:8], sampled, use_tqdm=False)):
+            jsonschema.validate(json.loads(text), NESTED)
+        stats = spec_llm.engine_core.scheduler.make_stats()
+    assert spec == plain
+    assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens > 0

@@ -1,5 +1,5 @@
 """The workers' side of speculative decoding, without a model: n-gram drafts, which drafts a
-step's sampled rows accept, where the LM head reads, and who speculates."""
+step's sampled rows accept, where the LM head reads, and what each verifying row samples with."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from v1engine.kv_cache_interface import FullAttentionSpec
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
 from v1engine.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from v1engine.sampling_params import SamplingParams
-from v1engine.structured_outputs.params import StructuredOutputsParams
 from v1engine.worker.model_inputs import build_model_inputs
 from v1engine.worker.request_states import CachedRequestState, InputBatch, RequestStates
 from v1engine.worker.spec_decode import (
@@ -23,7 +22,6 @@ from v1engine.worker.spec_decode import (
     emitted_tokens,
     expand_rows,
     ngram_drafts,
-    speculates,
 )
 
 
@@ -63,6 +61,10 @@ def test_expanded_rows_repeat_each_state_and_move_the_grammar_rows() -> None:
     assert [row.req_id for row in rows] == ["a", "a", "a", "b", "c", "c"]
     assert all(row is states[0] for row in rows[:3])  # nothing reads the output: no copies
     assert grammar[0] == [3] and grammar[1] is bitmask
+    # Structured requests with drafts: a bitmask row for each of their logits rows.
+    bitmask = torch.zeros(5, 4, dtype=torch.int32)
+    _, grammar = expand_rows(states, [[1, 2], [], [3]], ([0, 2], bitmask))
+    assert grammar[0] == [0, 1, 2, 4, 5] and grammar[1] is bitmask
 
 
 def test_rows_after_drafts_see_them_in_the_output_where_the_sampler_reads_it() -> None:
@@ -80,13 +82,6 @@ def test_emitted_rows_are_the_rows_that_sampled_each_emitted_token() -> None:
     emitted = emitted_tokens(drafts, [5, 6, 1, 2, 3, 9, 9, 4])  # [[5, 6, 1], [3], [9, 9, 4]]
     assert emitted_rows(drafts, emitted) == [0, 1, 2, 4, 5, 6, 7]
     assert emitted_rows([[5, 6]], [[8]]) == [0]  # the first draft rejected
-
-
-def test_who_speculates() -> None:
-    assert speculates(SamplingParams(temperature=0.7, top_p=0.9, seed=3))
-    assert speculates(SamplingParams(logprobs=2))  # each token's come from its own row
-    assert speculates(SamplingParams(repetition_penalty=1.1, min_tokens=2, logit_bias={1: 2.0}))
-    assert not speculates(SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
 
 
 def test_the_lm_head_reads_the_last_known_token_and_every_draft() -> None:

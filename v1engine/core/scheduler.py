@@ -93,7 +93,7 @@ class Scheduler:
         # Requests whose grammar failed to compile, reported by the next update_from_output.
         self.grammar_error_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        self.spec_decoding = SpecDecoding(self.max_model_len)
+        self.spec_decoding = SpecDecoding(self.max_model_len, self.structured_output_manager)
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request (EngineCore.add_request checks user input)."""

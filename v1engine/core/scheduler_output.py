@@ -6,6 +6,7 @@ that sample this step.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from v1engine.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -86,20 +87,27 @@ def _grammar_bitmask(
     structured_output_manager: StructuredOutputManager | None,
 ) -> dict:
     """The bitmask rows of the structured requests that sample this step (a partial prefill
-    chunk samples nothing, so it has no row). The scheduler never runs a structured request
-    ahead of its last sampled token, so each matcher has seen every earlier token."""
-    sampling = [
-        request
-        for req_id, num_tokens in plan.num_scheduled_tokens.items()
-        if (request := requests[req_id]).use_structured_output
-        and request.num_computed_tokens + num_tokens == request.num_tokens_with_placeholders
-    ]
+    chunk samples nothing, so it has no row), each request's first row by its id: one row, and
+    one more per draft it verifies. The scheduler never runs a structured request ahead of its
+    last sampled token, so each matcher has seen every earlier token."""
+    sampling, drafts = [], []
+    for req_id, num_tokens in plan.num_scheduled_tokens.items():
+        request = requests[req_id]
+        request_drafts = plan.spec_token_ids.get(req_id, [])
+        num_known = num_tokens - len(request_drafts)
+        computed = request.num_computed_tokens + num_known == request.num_tokens_with_placeholders
+        if request.use_structured_output and computed:
+            sampling.append(request)
+            drafts.append(request_drafts)
     if not sampling:
         return {}
     assert structured_output_manager is not None
+    first_rows = itertools.accumulate((1 + len(d) for d in drafts), initial=0)
     return {
-        "structured_output_request_ids": {r.request_id: i for i, r in enumerate(sampling)},
-        "grammar_bitmask": structured_output_manager.grammar_bitmask(sampling),
+        "structured_output_request_ids": {
+            request.request_id: row for request, row in zip(sampling, first_rows)
+        },
+        "grammar_bitmask": structured_output_manager.grammar_bitmask(sampling, drafts),
     }
 
 

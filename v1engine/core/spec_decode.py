@@ -7,19 +7,33 @@ token budget, with KV slots for them, but not in `num_computed_tokens`: only whe
 tokens come back (the drafts the model agreed with, then one token of its own) does the count
 advance over the drafts accepted. The slots of rejected drafts are written again by later steps;
 no prefix-cache block ever holds a draft, since blocks are cached up to the known tokens only.
+
+A request with a grammar keeps only the drafts its grammar accepts, in order: the first it
+rejects, and every draft after it, are dropped before they take a slot
+(`StructuredOutputManager.valid_drafts`); its step then carries a bitmask row per verifying row.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from v1engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from v1engine.core.structured_output_manager import StructuredOutputManager
 
 
 class SpecDecoding:
     """The scheduler's drafts: what a step verified, what comes next; and cumulative counts for
     its stats (vLLM's spec_decode metrics)."""
 
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(
+        self,
+        max_model_len: int,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         self.max_model_len = max_model_len
+        self.structured_output_manager = structured_output_manager
         self.num_drafts = 0  # request-steps that verified drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -56,4 +70,8 @@ class SpecDecoding:
                 request.max_tokens - request.num_output_tokens,
                 self.max_model_len - request.num_tokens,
             )
-            request.spec_token_ids = drafts[: max(0, room - 1)]
+            drafts = drafts[: max(0, room - 1)]
+            if drafts and request.use_structured_output:
+                assert self.structured_output_manager is not None
+                drafts = self.structured_output_manager.valid_drafts(request, drafts)
+            request.spec_token_ids = drafts

@@ -9,8 +9,11 @@ A request with `SamplingParams.structured_outputs` goes through these states:
    that failed or ran past the time-out raises ValueError, and the scheduler finishes the
    request with "error".
 3. `grammar_bitmask` (each step): for the structured requests that sample this step, one packed
-   int32 row each of the tokens their matcher allows next; it travels in the SchedulerOutput and
-   the sampling rank masks the logits with it.
+   int32 row each of the tokens their matcher allows next, and under speculative decoding one
+   more per draft the step verifies (what the matcher allows after the drafts before that row);
+   it travels in the SchedulerOutput and the sampling rank masks the logits with it. Drafts are
+   checked against the grammar when they arrive (`valid_drafts`), so each bitmask row follows
+   tokens the grammar accepts; the matcher is rolled back over them at once.
 4. `accept_token` (update_from_output): the matcher advances over each sampled token; a grammar
    that has terminated (its stop token accepted) finishes the request with "stop".
 
@@ -149,17 +152,43 @@ class StructuredOutputManager:
         if futures:
             concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
-    def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
-        """[len(requests), ceil(vocab_size / 32)] int32: row i's bit t set iff request i may
-        sample token t next (xgrammar's packing: token t is bit t % 32 of word t // 32)."""
-        bitmask = import_xgrammar().allocate_token_bitmask(len(requests), self.vocab_size)
-        for row, request in enumerate(requests):
-            so_request = request.structured_output_request
-            if so_request.reasoning_end_token_id is None:
-                so_request.matcher.fill_next_token_bitmask(bitmask, row)
-            else:
-                bitmask[row] = -1  # thinking: every bit set, every token allowed
+    def grammar_bitmask(
+        self, requests: list[Request], drafts: list[list[int]] | None = None
+    ) -> np.ndarray:
+        """[rows, ceil(vocab_size / 32)] int32, a row per request and one more per draft it
+        verifies (`drafts`, by request; the drafts `valid_drafts` kept): a row's bit t is set iff
+        its request may sample token t after the drafts before that row (xgrammar's packing:
+        token t is bit t % 32 of word t // 32)."""
+        drafts = drafts or [[] for _ in requests]
+        num_rows = sum(1 + len(request_drafts) for request_drafts in drafts)
+        bitmask = import_xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
+        row = 0
+        for request, request_drafts in zip(requests, drafts, strict=True):
+            walk = _DraftWalk(request.structured_output_request)
+            for i in range(len(request_drafts) + 1):
+                if walk.thinking or walk.matcher.is_terminated():
+                    # Thinking: every token allowed. Terminated (a draft was its stop token):
+                    # the request ends there and this row's token is dropped.
+                    bitmask[row] = -1
+                else:
+                    walk.matcher.fill_next_token_bitmask(bitmask, row)
+                if i < len(request_drafts):
+                    accepted = walk.accept(request_drafts[i])
+                    assert accepted, (request.request_id, request_drafts)  # valid_drafts' check
+                row += 1
+            walk.rollback()
         return bitmask.numpy()
+
+    def valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar accepts after its output so far
+        (while it thinks, the drafts up to the reasoning end token are free); the matcher is
+        left as it was."""
+        walk = _DraftWalk(request.structured_output_request)
+        num_valid = 0
+        while num_valid < len(drafts) and walk.accept(drafts[num_valid]):
+            num_valid += 1
+        walk.rollback()
+        return drafts[:num_valid]
 
     def accept_token(self, request: Request, token_id: int) -> RequestStatus | None:
         """Advances the request's matcher over its sampled token. Returns the status that ends
@@ -184,3 +213,29 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._backend is not None:
             self._backend.shutdown()
+
+
+class _DraftWalk:
+    """A request's grammar stepped over drafted tokens, then rolled back: the matcher accepts
+    each draft once the thinking (if any) has ended with its end token."""
+
+    def __init__(self, so_request: StructuredOutputRequest) -> None:
+        self.matcher = so_request.matcher
+        self.thinking = so_request.reasoning_end_token_id is not None
+        self.end_token_id = so_request.reasoning_end_token_id
+        self.num_accepted = 0  # tokens the matcher took, to roll back
+
+    def accept(self, token_id: int) -> bool:
+        """Whether the grammar takes `token_id` next (the matcher advances if so)."""
+        if self.thinking:
+            self.thinking = token_id != self.end_token_id
+            return True
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def rollback(self) -> None:
+        if self.num_accepted:
+            self.matcher.rollback(self.num_accepted)
+        self.num_accepted = 0

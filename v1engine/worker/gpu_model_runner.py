@@ -323,9 +323,8 @@ class GPUModelRunner:
             return None
         output = ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
         if self.speculative_config is not None:
-            row_states = [self.states.requests[r] for r in req_ids]
             output.spec_token_ids = propose_drafts(
-                self.speculative_config, batch, row_states, inputs.sampling_rows
+                self.speculative_config, batch, len(req_ids), inputs.sampling_rows
             )
         return output
 

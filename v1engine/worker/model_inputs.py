@@ -279,7 +279,8 @@ def grammar_bitmask_rows(
     sampling_req_ids: list[str], scheduler_output: SchedulerOutput
 ) -> tuple[list[int], torch.Tensor] | None:
     """The step's grammar bitmask for the sampler: (sampling rows it constrains, their rows of
-    the bitmask, in that order), or None when no sampling request has a grammar.
+    the bitmask, in that order: one per row, and under speculative decoding one more per draft
+    the request verifies, after its first), or None when no sampling request has a grammar.
 
     Raises:
         RuntimeError: the scheduler sent a bitmask row for a request that does not sample.
@@ -293,7 +294,13 @@ def grammar_bitmask_rows(
             f"the scheduler sent grammar bitmask rows for {sorted(row_of)} but only "
             f"{sorted(set(row_of) & set(sampling_req_ids))} sample this step"
         )
-    bitmask = scheduler_output.grammar_bitmask[[bitmask_row for _, bitmask_row in pairs]]
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    bitmask_rows = [
+        first + i
+        for row, first in pairs
+        for i in range(1 + len(drafts.get(sampling_req_ids[row], ())))
+    ]
+    bitmask = scheduler_output.grammar_bitmask[bitmask_rows]
     return [row for row, _ in pairs], torch.from_numpy(bitmask)
 
 

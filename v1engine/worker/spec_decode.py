@@ -19,9 +19,9 @@ exactly as without drafts, and greedy outputs are identical.
 
 A row samples with what its prefix implies: penalties, min_tokens and bad words read the
 request's output followed by the drafts before that row (`expand_rows`), and each emitted
-token's logprobs are those of the row that sampled it (`emitted_rows`). Requests with a grammar
-get no drafts (its bitmask would have to be advanced over each draft, in the engine core); they
-decode a token a step beside the others.
+token's logprobs are those of the row that sampled it (`emitted_rows`), and a request with a
+grammar samples each row within the bitmask row the engine core sent for it (the core keeps
+only drafts its grammar accepts: `core/spec_decode.py`).
 """
 
 from __future__ import annotations
@@ -32,14 +32,8 @@ import numpy as np
 import torch
 
 from v1engine.config import SpeculativeConfig
-from v1engine.sampling_params import SamplingParams
 from v1engine.worker.model_inputs import has_masks, has_penalties
 from v1engine.worker.request_states import CachedRequestState, InputBatch
-
-
-def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these parameters gets drafts (see the module docstring)."""
-    return params.structured_outputs is None
 
 
 def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -67,20 +61,19 @@ def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
 def propose_drafts(
     config: SpeculativeConfig,
     batch: InputBatch,
-    states: list[CachedRequestState],
+    num_rows: int,
     rows: list[int],
 ) -> list[list[int]]:
-    """Per batch row (`states` in row order), the drafts for its next step: [] for rows not in
-    `rows` (those that sampled this step) and for requests that do not speculate."""
-    drafts: list[list[int]] = [[] for _ in states]
+    """Per batch row (of `num_rows`), the drafts for its next step: [] for rows not in `rows`
+    (those that sampled this step)."""
+    drafts: list[list[int]] = [[] for _ in range(num_rows)]
     for row in rows:
-        if speculates(states[row].sampling_params):
-            drafts[row] = ngram_drafts(
-                batch.token_ids[row, : batch.num_tokens[row]],
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.num_speculative_tokens,
-            )
+        drafts[row] = ngram_drafts(
+            batch.token_ids[row, : batch.num_tokens[row]],
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.num_speculative_tokens,
+        )
     return drafts
 
 
@@ -91,17 +84,18 @@ def expand_rows(
 ) -> tuple[list[CachedRequestState], tuple[list[int], torch.Tensor] | None]:
     """Per logits row, the request state it samples for (one row per sampling request and one
     more per draft, with the drafts before it: `after_drafts`), and the grammar bitmask's
-    sampling rows as logits rows."""
+    rows' logits rows (its rows are each structured request's, in order)."""
     counts = [len(request_drafts) + 1 for request_drafts in drafts]
     row_states = [
         after_drafts(state, request_drafts[:i])
         for state, request_drafts in zip(states, drafts)
         for i in range(len(request_drafts) + 1)
     ]
-    if grammar_bitmask is not None:  # requests with a grammar have no drafts
+    if grammar_bitmask is not None:  # each structured request's rows, all of them
         rows, bitmask = grammar_bitmask
         first_rows = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
-        grammar_bitmask = (first_rows[rows].tolist(), bitmask)
+        logits_rows = [first_rows[row] + i for row in rows for i in range(counts[row])]
+        grammar_bitmask = (logits_rows, bitmask)
     return row_states, grammar_bitmask
 
 
