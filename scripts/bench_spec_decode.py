@@ -12,7 +12,9 @@ checked, so they count the same). The figure is the median over pairs of each pa
 
 Workloads: "copy" asks for text that repeats the prompt (a passage or a function to return
 edited, the case n-gram drafts are for); "free" asks open questions, where drafts rarely match and
-the figure shows what drafting costs when it does not help.
+the figure shows what drafting costs when it does not help; "json" asks for the people a text
+names as JSON under a schema (structured outputs: the drafts the grammar rejects are dropped,
+and each verifying row samples within its own bitmask row). `--workloads` picks some.
 """
 
 from __future__ import annotations
@@ -53,7 +55,32 @@ FREE = [
     "Describe how a bicycle works to a ten-year-old.",
     "Give me some ideas for a weekend trip in the mountains.",
 ]
-WORKLOADS = {"copy": COPY, "free": FREE}
+_PEOPLE = (
+    "Maria Lopez, 34, moved from Madrid to Lyon last year, where she met Tom Becker, 41, a "
+    "teacher from Berlin. Their neighbour Anna Rossi, 29, works in Milan."
+)
+JSON = [
+    f"List every person in this text as JSON with name, age and city:\n\n{_PEOPLE}",
+    f"Return the people mentioned below as a JSON object (name, age, home city):\n\n{_PEOPLE}",
+    f"Extract name, age and city of each person as JSON:\n\n{_PASSAGE} {_PEOPLE}",
+    f"Give me this text's people as JSON records:\n\n{_PEOPLE}",
+]
+_PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age", "city"],
+}
+PEOPLE_SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "items": _PERSON}},
+    "required": ["people"],
+}
+# name -> (prompts, the JSON schema replies follow, or None).
+WORKLOADS = {"copy": (COPY, None), "free": (FREE, None), "json": (JSON, PEOPLE_SCHEMA)}
 
 
 def _timed(llm, conversations, params, batch: int) -> tuple[float, list[list[int]]]:
@@ -73,13 +100,18 @@ def _spec_counts(llm) -> tuple[int, int, int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from v1engine import LLM, SamplingParams
+    from v1engine.structured_outputs import StructuredOutputsParams
 
     common = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=1 << 28)
     engines = {"plain": LLM(**common), "spec": LLM(**common, speculative_config=args.spec)}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results: dict[str, Any] = {}
     try:
-        for name, prompts in WORKLOADS.items():
+        for name in args.workloads:
+            prompts, schema = WORKLOADS[name]
+            structured = None if schema is None else StructuredOutputsParams(json=schema)
+            params = SamplingParams(
+                temperature=0, max_tokens=args.max_tokens, structured_outputs=structured
+            )
             conversations = [[{"role": "user", "content": p}] for p in prompts]
             for batch in args.batch_sizes:
                 for llm in engines.values():  # warm-up
@@ -135,6 +167,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument(
+        "--workloads",
+        default=list(WORKLOADS),
+        type=lambda s: s.split(","),
+        help=f"comma-separated, of {', '.join(WORKLOADS)}",
+    )
+    p.add_argument(
         "--spec",
         type=json.loads,
         default={
@@ -147,6 +185,8 @@ def main() -> None:
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    if unknown := sorted(set(args.workloads) - set(WORKLOADS)):
+        p.error(f"unknown workloads {unknown}; choose among {', '.join(WORKLOADS)}")
     results = run(args)
     print()
     for key, entry in results.items():

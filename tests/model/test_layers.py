@@ -140,3 +140,9 @@ def test_rotary_tables_land_on_the_device_the_model_is_built_under(rope_type):
         rope = RotaryEmbedding(64, 128, params)
     assert rope.cos_cache.device.type == "meta" and rope.sin_cache.device.type == "meta"
     assert rope.cos_cache.shape == (128, 64)
+
+
+@pytest.mark.parametrize("cap", [0.0, -5.0, float("nan")])
+def test_a_soft_cap_that_is_not_positive_is_refused_by_layer_name(cap):
+    with pytest.raises(ValueError, match=r"layers.3.attn: logits_soft_cap must be > 0"):
+        Attention(4, 8, 1.0, 2, "layers.3.attn", logits_soft_cap=cap)

@@ -35,6 +35,11 @@ class Attention(nn.Module):
                 f"{layer_name}: num_heads={num_heads} is not a multiple of "
                 f"num_kv_heads={num_kv_heads}"
             )
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(
+                f"{layer_name}: logits_soft_cap must be > 0 (or None: no cap), "
+                f"got {logits_soft_cap}"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size

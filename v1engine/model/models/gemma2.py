@@ -40,13 +40,13 @@ from v1engine.model.models.llama import (
 
 
 class Gemma2Attention(LlamaAttention):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str):
-        super().__init__(config, layer_idx, rotary_emb, prefix)
-        self.attn.logits_soft_cap = getattr(config, "attn_logit_softcapping", None)
-
     @staticmethod
     def softmax_scale(config: Any, head_size: int) -> float:
         return config.query_pre_attn_scalar**-0.5
+
+    @staticmethod
+    def logits_soft_cap(config: Any) -> float | None:
+        return getattr(config, "attn_logit_softcapping", None)
 
 
 class GemmaDecoderLayer(nn.Module):

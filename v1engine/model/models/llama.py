@@ -122,6 +122,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             layer_name=f"{prefix}.attn",
             sliding_window=get_sliding_window(config, layer_idx),
+            logits_soft_cap=self.logits_soft_cap(config),
         )
 
     @staticmethod
@@ -133,6 +134,11 @@ class LlamaAttention(nn.Module):
     def softmax_scale(config: Any, head_size: int) -> float:
         """What the attention logits are multiplied by (Gemma's differs)."""
         return head_size**-0.5
+
+    @staticmethod
+    def logits_soft_cap(config: Any) -> float | None:
+        """The cap of the attention logits, None for none (Gemma 2 caps them)."""
+        return None
 
     @staticmethod
     def projection_biases(config: Any) -> tuple[bool, bool]:
