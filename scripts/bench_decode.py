@@ -4,7 +4,8 @@
         --pairs 3 --json decode.json
 
 Each variant runs in its own interpreter, importing v1engine from its own checkout: one `LLM`
-(default model, TP=1), then per batch size one warm-up and `--repeats` timed `generate` calls of
+(the default model, or `--model`: a checkpoint directory whose vocabulary has over 40,000
+tokens; TP=1), then per batch size one warm-up and `--repeats` timed `generate` calls of
 that many requests at once (token-id prompts of `--prompt-len`, `--output-len` greedy tokens, EOS
 ignored; tokens per second of the whole call, prefill included). A pair runs both variants, in
 alternating order from pair to pair. On these shared VMs the memory's read speed changes state
@@ -40,9 +41,10 @@ _CHILD = """
 import json, sys, time
 from v1engine import LLM, SamplingParams
 
-def main(dtype, batch_sizes, prompt_len, output_len, repeats):
+def main(model, dtype, batch_sizes, prompt_len, output_len, repeats):
     longest = prompt_len + output_len + 16
-    llm = LLM(dtype=dtype, max_model_len=longest, max_num_seqs=max(batch_sizes))
+    model = {"model": model} if model else {}
+    llm = LLM(**model, dtype=dtype, max_model_len=longest, max_num_seqs=max(batch_sizes))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     results = {}
     try:
@@ -64,12 +66,13 @@ def main(dtype, batch_sizes, prompt_len, output_len, repeats):
     print(json.dumps(results))
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(b) for b in sys.argv[2].split(",")], *map(int, sys.argv[3:6]))
+    batch_sizes = [int(b) for b in sys.argv[3].split(",")]
+    main(sys.argv[1], sys.argv[2], batch_sizes, *map(int, sys.argv[4:7]))
 """
 
 
 def run_variant(root: str, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, "-c", _CHILD, args.dtype, args.batch_sizes]
+    command = [sys.executable, "-c", _CHILD, args.model, args.dtype, args.batch_sizes]
     command += [str(args.prompt_len), str(args.output_len), str(args.repeats)]
     with busy_cores(args.busy):
         done = subprocess.run(
@@ -129,6 +132,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="", help="a checkpoint directory (default: default model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--prompt-len", type=int, default=128)

@@ -56,8 +56,9 @@ def _attend(
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [4, 16])
 # The kernel's vector path takes head sizes of whole vectors (16 floats with AVX-512, 8 without):
-# 8 is plain or one vector, 48 three or six, 64 SmolLM2's; 12 is plain everywhere.
-@pytest.mark.parametrize("head_size", [8, 12, 48, 64])
+# 8 is plain or one vector, 48 three or six, 64 SmolLM2's, 256 Gemma's (16 vectors with AVX-512,
+# plain without); 12 is plain everywhere.
+@pytest.mark.parametrize("head_size", [8, 12, 48, 64, 256])
 def test_decode_steps_match_the_torch_backend(
     dtype, tol, num_heads, num_kv_heads, window, block_size, head_size
 ):
@@ -74,7 +75,7 @@ def test_decode_steps_match_the_torch_backend(
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("head_size", [8, 64])
+@pytest.mark.parametrize("head_size", [8, 64, 256])
 @pytest.mark.parametrize(
     "steps,pad",
     [
@@ -126,8 +127,9 @@ def test_prefills_through_the_blocked_passes_match_the_torch_backend(
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
-# 12: the plain passes; 64 with two query heads per KV head: the vector and blocked passes.
-@pytest.mark.parametrize("head_size", [12, 64])
+# 12: the plain passes; 64 with two query heads per KV head: the vector and blocked passes;
+# 256: the vector passes of 16 vectors (AVX-512).
+@pytest.mark.parametrize("head_size", [12, 64, 256])
 def test_soft_capped_scores_match_the_torch_backend(head_size, window, dtype, tol):
     """Gemma 2's cap * tanh(score / cap) in every pass (decodes, prefills over a prefix, rows
     past a block of 8); a cap of 1 bends these scores (about unit spread) past the tolerance."""

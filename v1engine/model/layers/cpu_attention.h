@@ -10,7 +10,7 @@
 
 #include "cpu_vectors.h"
 
-#define MAX_HEAD_VECS 8 /* the vector path takes head sizes up to 8 * LANES */
+#define MAX_HEAD_VECS 16 /* the vector path takes head sizes up to 16 * LANES */
 #define ROW_BLOCK 8     /* query rows of one sequence attended together */
 
 struct attention_shape {

@@ -10,11 +10,11 @@
    so a prefill's keys come from memory once per ROW_BLOCK rows, not once per row. Positions are
    walked LANES at a time (16 with AVX-512, 8 otherwise), block by block.
 
-   Head sizes that are whole vectors (every real model's: 64, 128, ...) take the vector path: for
-   each row and query head, LANES keys' dot products are summed across their lanes by one shuffle
-   tree into one vector of LANES scores, instead of one horizontal sum per key; the values are
-   summed two keys at a time into vector accumulators. Other head sizes (tiny test models) take a
-   plain loop per key. Units with enough query vectors per KV head (a prefill's rows) take the
+   Head sizes of 1 to 8 or 16 whole vectors (every real model's: 64, 128, and with AVX-512 also
+   Gemma's 256) take the vector path: for each row and query head, LANES keys' dot products are
+   summed across their lanes by one shuffle tree into one vector of LANES scores, instead of one
+   horizontal sum per key; the values are summed two keys at a time into vector accumulators.
+   Other head sizes (tiny test models; 256 with AVX2) take a plain loop per key. Units with enough query vectors per KV head (a prefill's rows) take the
    blocked passes of cpu_attention_blocked.c instead, on AVX-512 CPUs, for head sizes 64 and 128.
 
    The layout contract is attention_backend.py's: key position p of sequence s lives in block
@@ -188,6 +188,7 @@
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 6)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 7)                                              \
     VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 8)                                              \
+    VECTOR_PASSES(NAME, T, VECTOR_LOAD, STORE, 16)                                             \
     PLAIN_PASS(NAME, T, LOAD)                                                                  \
                                                                                                \
     static int NAME##_unit(const T *q, const char *k_cache, const char *v_cache,               \
@@ -205,6 +206,7 @@
             VECTOR_CASE(NAME, 6)                                                               \
             VECTOR_CASE(NAME, 7)                                                               \
             VECTOR_CASE(NAME, 8)                                                               \
+            VECTOR_CASE(NAME, 16)                                                              \
         }                                                                                      \
         const long size = u->rows * sh->num_heads * sh->head_size;                             \
         float *acc = calloc(size, sizeof(float));                                              \
