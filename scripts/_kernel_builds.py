@@ -43,15 +43,24 @@ def _git(*args: str) -> bytes:
     return shown.stdout
 
 
-def library(ref: str | None, workdir: str) -> dict[tuple[str, torch.dtype | None], Callable]:
+def library(
+    ref: str | None, workdir: str, march: str | None = None
+) -> dict[tuple[str, torch.dtype | None], Callable]:
     """`cpu_kernel_library.load_kernels()`'s table, for the library built from `ref`'s sources
-    (None: the working tree's, the library every process already loads)."""
-    if ref is None:
+    (None: the working tree's, the library every process already loads), with `-march=<march>`
+    for another CPU than this one (e.g. x86-64-v3: AVX2 without AVX-512) where given."""
+    if ref is None and march is None:
         return cpu_kernel_library.load_kernels()
     folder = tempfile.mkdtemp(dir=workdir)
     path = os.path.join(folder, "kernels.so")
-    cpu_kernel_library.compile_library(folder, path, tuple(_sources(ref, folder)))
+    sources = cpu_kernel_library.SOURCES if ref is None else tuple(_sources(ref, folder))
+    flags = cpu_kernel_library.CFLAGS
+    if march is not None:
+        flags = tuple(f"-march={march}" if f == "-march=native" else f for f in flags)
+    cpu_kernel_library.compile_library(folder, path, sources, flags)
     kernels = cpu_kernel_library.bind_kernels(ctypes.CDLL(path))
+    if ref is None:
+        return kernels
     with open(os.path.join(folder, "cpu_kernels.h")) as f:
         if "void v1e_gemv_##S" in f.read():  # until 2026-11-28 the gemv returned nothing
             for dtype in cpu_kernel_library.KERNEL_DTYPES:

@@ -16,6 +16,10 @@ runs the prompt's rows through, `cpu_kernels.prefill_passes`), SDPA past them: l
 benchmark is the measure for. Every kernel's output is also compared with the torch
 backend's (the JSON's max_abs_diff_vs_torch).
 
+`--march ARCH` builds both kernels (the working tree's and the baseline's) for another CPU than
+this one, e.g. `x86-64-v3` (AVX2 without AVX-512; LANES 8), run here as that code would run
+there; the torch backend runs as it is.
+
 `--cold [MB]` reads a buffer several times the last-level cache (256 MB unless given) before every
 timed call, so that the keys and values come from memory, as in the engine, where a layer's cache
 rows leave the cache while the other layers' weights and caches stream through. Without it, a
@@ -84,8 +88,9 @@ def make_step(cached: int, new: int, count: int, dtype: torch.dtype, shape: tupl
     return query, caches, common
 
 
-def systems(common, caches, baseline: dict | None) -> dict:
-    """name -> a call computing the step's attention."""
+def systems(common, caches, baseline: dict | None, current=None) -> dict:
+    """name -> a call computing the step's attention (`current`: the kernel to time, None: this
+    process's)."""
     _, _, num_kv_heads, head_size = caches[0].shape
     spec = FullAttentionSpec(BLOCK_SIZE, num_kv_heads, head_size, caches[0].dtype)
     torch_backend = TorchAttentionBackend()
@@ -101,7 +106,7 @@ def systems(common, caches, baseline: dict | None) -> dict:
         )
 
     calls = {
-        "kernel": kernel(),
+        "kernel": kernel(current),
         "torch": lambda q: torch_backend.forward(q, caches, torch_metadata, scale, None),
     }
     if baseline is not None:
@@ -115,12 +120,12 @@ def evict_caches(buffer: torch.Tensor | None) -> None:
         buffer.sum()
 
 
-def measure_case(case: str, args, baseline: dict | None) -> dict:
+def measure_case(case: str, args, baseline: dict | None, current=None) -> dict:
     cached, new, count = parse_case(case)
     dtype = getattr(torch, args.dtype)
     shape = parse_shape(args.shape)
     query, caches, common = make_step(cached, new, count, dtype, shape)
-    calls = systems(common, caches, baseline)
+    calls = systems(common, caches, baseline, current)
     times: dict[str, list[float]] = {name: [] for name in calls}
     flush = torch.ones(args.cold << 18) if args.cold else None  # MB of 4-byte floats
     with torch.inference_mode():
@@ -155,6 +160,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--baseline-ref", default=None, help="git ref whose kernel is measured too")
+    p.add_argument("--march", default=None, help="build the kernels for this -march instead")
     p.add_argument(
         "--cold",
         type=int,
@@ -184,19 +190,20 @@ def main() -> None:
         raise SystemExit("the CPU kernels did not build here (see the warning above)")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_attention-") as workdir:
-        baseline = None
-        if args.baseline_ref:
-            from _kernel_builds import library
+        from _kernel_builds import library
 
-            built = library(args.baseline_ref, workdir)
-            baseline = {
-                "ref": args.baseline_ref,
-                "function": built["paged_attention", getattr(torch, args.dtype)],
-            }
-        print(f"{args.dtype}, {args.threads} threads; ms per layer (GFLOP/s)")
+        key = "paged_attention", getattr(torch, args.dtype)
+        baseline = current = None
+        if args.baseline_ref:
+            built = library(args.baseline_ref, workdir, args.march)
+            baseline = {"ref": args.baseline_ref, "function": built[key]}
+        if args.march:
+            current = library(None, workdir, args.march)[key]
+        built_for = f"kernels built for -march={args.march}" if args.march else "native kernels"
+        print(f"{args.dtype}, {args.threads} threads, {built_for}; ms per layer (GFLOP/s)")
         rows = []
         for case in args.cases:
-            rows.append(measure_case(case, args, baseline))
+            rows.append(measure_case(case, args, baseline, current))
             print_row(case, rows[-1])
     if args.json:
         with open(args.json, "w") as f:

@@ -118,8 +118,11 @@ def build_library(cache_dir: str | None = None) -> str:
     return path
 
 
-def compile_library(root: str, path: str, sources: tuple[str, ...] = SOURCES) -> None:
-    """Compiles `sources` (by default this package's) with CFLAGS into `path`, inside `root`."""
+def compile_library(
+    root: str, path: str, sources: tuple[str, ...] = SOURCES, cflags: tuple[str, ...] = CFLAGS
+) -> None:
+    """Compiles `sources` (by default this package's) with `cflags` into `path`, inside `root`
+    (benchmarks pass other flags to build for another CPU than this one)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (install gcc to get the faster decode kernels)")
@@ -130,7 +133,7 @@ def compile_library(root: str, path: str, sources: tuple[str, ...] = SOURCES) ->
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, *sources, "-lm", "-o", temp],
+            [compiler, *cflags, *sources, "-lm", "-o", temp],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
