@@ -110,7 +110,7 @@ def test_steps_with_prefills_and_padding_match_the_torch_backend(
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 4), (16, 2), (4, 4)])
 def test_prefills_through_the_blocked_passes_match_the_torch_backend(
     num_heads, num_kv_heads, head_size, window, dtype, tol
@@ -169,6 +169,8 @@ def test_the_prefill_passes_follow_the_heads_and_the_cpu():
     cases = {
         "blocked": [(9, 3, 64), (8, 4, 128), (16, 2, 64)],  # query heads share KV heads
         "blocked, partial": [(4, 4, 64), (12, 12, 128)],  # one query head per KV head
+        "blocked, heads of 256": [(4, 1, 256)],  # Gemma's, with their own limits
+        "blocked, partial, heads of 256": [(8, 8, 256)],
         "per-key": [(9, 3, 8), (9, 3, 48), (4, 4, 96)],  # head sizes the blocks are not built for
     }
     for passes, shapes in cases.items():
@@ -179,7 +181,15 @@ def test_the_prefill_passes_follow_the_heads_and_the_cpu():
 
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_size,query_len",
-    [(9, 3, 64, 520), (4, 4, 64, 520), (4, 4, 64, 1030), (6, 2, 8, 520)],
+    [
+        (9, 3, 64, 520),
+        (4, 4, 64, 520),
+        (4, 4, 64, 1030),
+        (6, 2, 8, 520),
+        (4, 1, 256, 520),  # Gemma's heads: the kernel's up to 1024, SDPA's past it
+        (4, 1, 256, 1030),
+        (4, 4, 256, 520),
+    ],
 )
 def test_a_long_prefill_is_the_kernels_up_to_its_passes_limit(
     monkeypatch, num_heads, num_kv_heads, head_size, query_len

@@ -1,5 +1,6 @@
 /* The two passes of paged attention as small matrix products, for units with many query vectors:
-   a prefill's rows times the query heads that share a KV head (AVX-512, head sizes 64 and 128).
+   a prefill's rows times the query heads that share a KV head (AVX-512, head sizes 64, 128 and
+   256).
 
    The per-key passes (cpu_paged_attention.c) take one query vector at a time: each key's dot
    product is LANES partial sums folded by a shuffle tree, and each value is loaded once per
@@ -23,7 +24,7 @@
 #if LANES == 16
 
 #define SCORE_BLOCK 12 /* query vectors per pass over a transposed key group */
-#define MAX_HEAD 128
+#define MAX_HEAD 256
 
 /* Whether the blocked passes take a unit of `rows` rows with G query heads per KV head: a head
    size they are built for, and enough query vectors to share each transposed key group (a
@@ -34,7 +35,7 @@
    vs 84.3). */
 static inline int blocked_passes_take(long rows, long G, long D)
 {
-    return (D == 64 || D == 128) && (rows * G >= SCORE_BLOCK || rows == ROW_BLOCK);
+    return (D == 64 || D == 128 || D == 256) && (rows * G >= SCORE_BLOCK || rows == ROW_BLOCK);
 }
 
 int v1e_attention_prefill_passes(long num_heads, long num_kv_heads, long head_size)
@@ -162,6 +163,7 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
 #define BLOCKED_ATTENTION(NAME, T, LOAD, VECTOR_LOAD, STORE)                                   \
     VALUE_BLOCK(NAME, T, VECTOR_LOAD, STORE, 4, 6)                                             \
     VALUE_BLOCK(NAME, T, VECTOR_LOAD, STORE, 8, 3)                                             \
+    VALUE_BLOCK(NAME, T, VECTOR_LOAD, STORE, 16, 1)                                            \
                                                                                                \
     /* The 16 keys at rows[], KV head g, as kt[d][16] (transposed 16 x 16 at a time). */       \
     static void NAME##_transposed_keys(const char *const *rows, long g, long D, float *kt)     \
@@ -216,8 +218,10 @@ static void score_block(const float *qf, const float *kt, const struct unit *u,
         for (long g = 0; g < sh->num_kv_heads; g++) {                                          \
             if (D == 64)                                                                       \
                 NAME##_values_4(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);    \
-            else                                                                               \
+            else if (D == 128)                                                                 \
                 NAME##_values_8(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);    \
+            else                                                                               \
+                NAME##_values_16(v_cache, rows, u, sh, &qv, g, scores, inverse_totals, out);   \
         }                                                                                      \
         free(rows);                                                                            \
         return 1;                                                                              \

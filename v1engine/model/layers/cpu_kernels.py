@@ -328,10 +328,12 @@ PREFILL_PASSES = ("per-key", "blocked, partial", "blocked")
 @functools.cache  # a model's layers ask it on every long prefill; the answer never changes
 def prefill_passes(num_heads: int, num_kv_heads: int, head_size: int) -> str:
     """Which passes `paged_attention` runs a prompt's rows of these heads through: "blocked"
-    (small matrix products, cpu_attention_blocked.c: AVX-512, head sizes 64 and 128, their
+    (small matrix products, cpu_attention_blocked.c: AVX-512, head sizes 64, 128 and 256, their
     blocks filled by two or more query heads per KV head), "blocked, partial" (the same with one
-    query head per KV head: 8 of a block's 12 query vectors) or "per-key"."""
-    return PREFILL_PASSES[kernel("attention_prefill_passes")(num_heads, num_kv_heads, head_size)]
+    query head per KV head: 8 of a block's 12 query vectors) or "per-key"; the blocked passes
+    over heads of 256 (Gemma's) are named apart, ", heads of 256": SDPA overtakes them sooner."""
+    passes = PREFILL_PASSES[kernel("attention_prefill_passes")(num_heads, num_kv_heads, head_size)]
+    return f"{passes}, heads of 256" if passes != "per-key" and head_size == 256 else passes
 
 
 def write_kv(
