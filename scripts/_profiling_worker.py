@@ -77,8 +77,8 @@ class ProfilingWorker(Worker):
         sampler.sampler = self._timed("sampler", sampler.sampler)
         self._hook_leaves(runner.model)
         inner = getattr(runner.model, "model", None)
-        if hasattr(inner, "decode_stack"):
-            stack = inner.decode_stack
+        stack = getattr(inner, "decode_stack", None)  # None: a model without one (Gemma, MoE)
+        if stack is not None:
             timed = self._timed(_DECODE_STACK_LABEL, stack.__call__)
             inner.decode_stack = _TimedDecodeStack(stack, timed)
         original_logits = runner.model.compute_logits

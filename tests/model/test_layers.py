@@ -15,7 +15,7 @@ from v1engine.model.layers.attention_backend import (
     set_forward_context,
 )
 from v1engine.model.layers.cpu_attention_backend import CpuAttentionBackend
-from v1engine.model.layers.layernorm import RMSNorm
+from v1engine.model.layers.layernorm import GemmaRMSNorm, RMSNorm
 from v1engine.model.layers.rotary_embedding import RotaryEmbedding
 from v1engine.model.layers.torch_attention import TorchAttentionBackend
 
@@ -146,3 +146,22 @@ def test_rotary_tables_land_on_the_device_the_model_is_built_under(rope_type):
 def test_a_soft_cap_that_is_not_positive_is_refused_by_layer_name(cap):
     with pytest.raises(ValueError, match=r"layers.3.attn: logits_soft_cap must be > 0"):
         Attention(4, 8, 1.0, 2, "layers.3.attn", logits_soft_cap=cap)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build the CPU kernels")
+def test_gemma_rms_norm_through_the_kernel_matches_its_torch_ops_and_follows_new_weights():
+    norm = GemmaRMSNorm(64, eps=1e-6)
+    generator = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 5, 64, generator=generator)
+
+    def reference(weight):
+        total = x + residual
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed * (1.0 + weight), total
+
+    for _ in range(2):  # a second load of new weights in place: the kernel's scale follows
+        norm.weight.copy_(torch.randn(64, generator=generator))
+        out, total = norm(x, residual)
+        want_out, want_total = reference(norm.weight)
+        torch.testing.assert_close(out, want_out, atol=1e-6, rtol=1e-6)
+        assert torch.equal(total, want_total)
