@@ -135,14 +135,17 @@ class GPT2Block(nn.Module):
 class PlainDecoderModel(nn.Module):
     """The forward of decoders whose layers add their own residuals (GPT-2, GPT-NeoX, Phi): the
     embeddings, each `layer(cos_sin, hidden[, output_rows]) -> hidden`, the final norm.
-    Subclasses build `embed_tokens`, `layers` and `norm`, and say how a step embeds (learned
-    positions too) and gathers its RoPE rows (None without RoPE)."""
+    Subclasses build `embed_tokens`, `layers` and `norm`, and `rotary_emb` where the model has
+    RoPE (a step gathers its rows once; None without), and may say how a step embeds (learned
+    positions too)."""
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin | None:
-        return None
+        # Not a class attribute None: nn.Module finds submodules only where lookup fails.
+        rope = getattr(self, "rotary_emb", None)
+        return None if rope is None else rope.cos_sin(positions, dtype)
 
     def forward(
         self,

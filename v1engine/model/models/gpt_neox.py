@@ -74,9 +74,6 @@ class GPTNeoXModel(PlainDecoderModel):
         )
         self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
 
-    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        return self.rotary_emb.cos_sin(positions, dtype)
-
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     model_cls = GPTNeoXModel

@@ -65,9 +65,6 @@ class PhiModel(PlainDecoderModel):
         )
         self.norm = nn.LayerNorm(config.hidden_size, config.layer_norm_eps)
 
-    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        return self.rotary_emb.cos_sin(positions, dtype)
-
 
 # Checkpoint names -> ours (q_proj, k_proj and v_proj load into qkv_proj as Llama's do).
 _RENAMES = (

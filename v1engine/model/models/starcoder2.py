@@ -58,9 +58,6 @@ class Starcoder2Model(PlainDecoderModel):
         )
         self.norm = nn.LayerNorm(config.hidden_size, config.norm_epsilon)
 
-    def step_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> CosSin:
-        return self.rotary_emb.cos_sin(positions, dtype)
-
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
     model_cls = Starcoder2Model
