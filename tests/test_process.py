@@ -41,6 +41,19 @@ def _failing_child(ready_conn) -> None:
     report_startup(ready_conn, _bad_config)
 
 
+def _peer_effect() -> None:
+    raise RuntimeError("connection closed by peer")
+
+
+def _late_cause() -> None:
+    time.sleep(0.5)
+    raise RuntimeError("no weights here")
+
+
+def _failing_with(build, ready_conn) -> None:
+    report_startup(ready_conn, build)
+
+
 def _dying_child(ready_conn) -> None:
     os._exit(3)
 
@@ -144,6 +157,26 @@ def test_dead_child_is_named_with_its_exit_code_and_the_wait_ends_at_once():
         assert time.monotonic() - start < scaled(30)
     finally:
         stop_children([silent, dying])
+
+
+def test_the_failures_of_several_children_come_together(monkeypatch):
+    """A child's failure may be the effect of another's (its peer died): the failures the others
+    report soon after come along, so the cause is in the message whichever came first. (A
+    child that stays silent holds the wait up only that long: the dead-child test above.)"""
+    monkeypatch.setattr(process, "_OTHER_FAILURES_S", scaled(20))
+    children = [
+        _spawn(_failing_with, (_peer_effect,), "rank 0"),
+        _spawn(_failing_with, (_late_cause,), "rank 1"),
+    ]
+    try:
+        with pytest.raises(ChildStartupError) as info:
+            wait_until_ready(children, 600)
+    finally:
+        stop_children(children)
+    text = str(info.value)
+    assert text.startswith(f"{info.value.label} failed to start:")
+    assert "rank 0 failed to start:" in text and "connection closed by peer" in text
+    assert "rank 1 failed to start:" in text and "no weights here" in text
 
 
 def test_silent_child_times_out_naming_it():

@@ -63,6 +63,9 @@ TERMINATE_STOP_S = GRACEFUL_STOP_S + 2.0
 PARENT_DEATH_EXIT_S = 5.0
 # A child whose sentinel fired has exited or is exiting; joining it makes its exit code known.
 _REAP_S = 1.0
+# After a child's failure, how long the others may take to report theirs: the first report may
+# name only the effect of another's failure ("connection closed by peer"), not its cause.
+_OTHER_FAILURES_S = 2.0
 
 
 class ChildStartupError(RuntimeError):
@@ -209,30 +212,42 @@ def wait_until_ready(children: Sequence[ChildProcess], timeout_s: float) -> list
 
     Raises:
         ChildStartupError: the first child that reported FAILED (the message carries its
-            traceback), died (its exit code) or did not answer within `timeout_s`. The caller
-            stops the others.
+            traceback), died (its exit code) or did not answer within `timeout_s`, and the
+            others' failures in _OTHER_FAILURES_S after it. The caller stops the children.
     """
-    payloads: dict[int, Any] = {}
+    reports: dict[int, Any] = {}  # READY payloads (or the failures, also in `failures`)
+    failures: list[ChildStartupError] = []
     index_of = {c._ready_conn: i for i, c in enumerate(children)}
     index_of.update({c.sentinel: i for i, c in enumerate(children)})
     deadline = time.monotonic() + timeout_s
-    while len(payloads) < len(children):
-        waiting = [i for i in range(len(children)) if i not in payloads]
+    while len(reports) < len(children):
+        waiting = [i for i in range(len(children)) if i not in reports]
         objects = [c._ready_conn for c in children] + [c.sentinel for c in children]
         ready = wait([o for o in objects if index_of[o] in waiting], deadline - time.monotonic())
-        if not ready:
+        if not ready and not failures:
             silent = ", ".join(children[i].label for i in waiting)
             raise ChildStartupError(
                 f"{silent} did not start within {timeout_s:.0f} s", children[waiting[0]].label
             )
+        if not ready:
+            break
         # A pipe first: a child that reported and then exited must be read, not called dead.
         for obj in sorted(ready, key=lambda o: not isinstance(o, Connection)):
             i = index_of[obj]
-            if i not in payloads:
-                payloads[i] = _read_report(children[i])
+            if i not in reports:
+                try:
+                    reports[i] = _read_report(children[i])
+                except ChildStartupError as e:
+                    reports[i] = e
+                    if not failures:  # the others get a moment to report theirs
+                        deadline = min(deadline, time.monotonic() + _OTHER_FAILURES_S)
+                    failures.append(e)
+    if failures:
+        text = "\n\n".join(map(str, failures))
+        raise ChildStartupError(text, failures[0].label, failures[0].exc_type)
     for child in children:
         child._ready_conn.close()
-    return [payloads[i] for i in range(len(children))]
+    return [reports[i] for i in range(len(children))]
 
 
 def _read_report(child: ChildProcess) -> Any:
