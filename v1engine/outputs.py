@@ -82,7 +82,9 @@ class LogprobsLists:
     sampled_token_ranks: list[int]
 
     def rows(self, start: int, stop: int) -> LogprobsLists:
-        """The rows start .. stop - 1."""
+        """The rows start .. stop - 1 (itself when that is all of them: the common case)."""
+        if start == 0 and stop >= len(self.token_ids):
+            return self
         return LogprobsLists(
             self.token_ids[start:stop],
             self.logprobs[start:stop],

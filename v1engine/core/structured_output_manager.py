@@ -152,14 +152,11 @@ class StructuredOutputManager:
         if futures:
             concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
-    def grammar_bitmask(
-        self, requests: list[Request], drafts: list[list[int]] | None = None
-    ) -> np.ndarray:
+    def grammar_bitmask(self, requests: list[Request], drafts: list[list[int]]) -> np.ndarray:
         """[rows, ceil(vocab_size / 32)] int32, a row per request and one more per draft it
         verifies (`drafts`, by request; the drafts `valid_drafts` kept): a row's bit t is set iff
         its request may sample token t after the drafts before that row (xgrammar's packing:
         token t is bit t % 32 of word t // 32)."""
-        drafts = drafts or [[] for _ in requests]
         num_rows = sum(1 + len(request_drafts) for request_drafts in drafts)
         bitmask = import_xgrammar().allocate_token_bitmask(num_rows, self.vocab_size)
         row = 0

@@ -43,24 +43,21 @@ class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the checkpoint holds an offset, the scale is 1 + weight, and it multiplies
     the normalized float32 values before the cast back (HF's Gemma3RMSNorm). In float32 on CPU
     that is RMSNorm's kernel with 1 + weight as its scale (the same operations in the same
-    order); in other dtypes torch ops, since the kernel rounds before it scales."""
+    order; the scale is made each call, one small op, so it always follows the loaded weight);
+    in other dtypes torch ops, since the kernel rounds before it scales."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
-        # 1 + weight for the kernel, and the weight's version it was made from: in-place loads
-        # (new weights from a trainer) bump the version, and the scale follows.
-        self._scale: torch.Tensor | None = None
-        self._scale_version = -1
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with `residual`: (norm(x + residual), x + residual), as RMSNorm's."""
         if x.dtype == torch.float32 and cpu_kernels.applies(x, residual, self.weight):
-            out, total = cpu_kernels.rms_norm(x, residual, self._kernel_scale(), self.eps)
+            out, total = cpu_kernels.rms_norm(x, residual, 1.0 + self.weight, self.eps)
             return out if residual is None else (out, total)
         if residual is not None:
             x = x + residual
@@ -68,9 +65,3 @@ class GemmaRMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, x)
-
-    def _kernel_scale(self) -> torch.Tensor:
-        if self._scale is None or self._scale_version != self.weight._version:
-            self._scale = (1.0 + self.weight).contiguous()
-            self._scale_version = self.weight._version
-        return self._scale
